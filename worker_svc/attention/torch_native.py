@@ -1,0 +1,113 @@
+"""Torch-native attention over the paged KV pool with ``F.scaled_dot_product_attention``.
+
+Decode gathers every request's cached K/V into one padded [batch, kv_heads, max_len, head_dim] tensor
+(indices and mask built once per step) so each layer is one gather and one SDPA call. Extend runs one
+SDPA per request with a causal mask offset by the cached prefix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from worker_svc.attention.base import AttentionLayer
+from worker_svc.forward_batch import ForwardBatch, ForwardMode
+
+
+@dataclass
+class DecodeMetadata:
+    slot_index: torch.Tensor  # [batch, max_len] KV slots, padded with slot 0
+    mask: torch.Tensor | None  # [batch, 1, 1, max_len] bool, None when every request has max_len tokens
+
+
+@dataclass
+class ExtendMetadata:
+    token_offsets: list[int]  # start of each request in the packed new tokens
+    context_slots: list[torch.Tensor | None]  # per request: all cached slots, None when there is no prefix
+    masks: list[torch.Tensor | None]  # per request [extend, seq] bool, None for a plain causal prefill
+
+
+class TorchNativeAttentionBackend:
+    def prepare(self, batch: ForwardBatch) -> None:
+        if batch.mode is ForwardMode.DECODE:
+            batch.attn_metadata = self._prepare_decode(batch)
+        else:
+            batch.attn_metadata = self._prepare_extend(batch)
+
+    @staticmethod
+    def _prepare_decode(batch: ForwardBatch) -> DecodeMetadata:
+        max_len = max(batch.seq_lens)
+        slot_index = batch.req_to_token[batch.req_rows, :max_len]
+        mask = None
+        if min(batch.seq_lens) != max_len:
+            lens = torch.tensor(batch.seq_lens, device=slot_index.device)
+            valid = torch.arange(max_len, device=slot_index.device)[None, :] < lens[:, None]
+            mask = valid[:, None, None, :]
+        return DecodeMetadata(slot_index=slot_index, mask=mask)
+
+    @staticmethod
+    def _prepare_extend(batch: ForwardBatch) -> ExtendMetadata:
+        offsets, slots, masks = [], [], []
+        offset = 0
+        device = batch.input_ids.device
+        for row, prefix, seq in zip(batch.req_rows.tolist(), batch.prefix_lens, batch.seq_lens):
+            offsets.append(offset)
+            offset += seq - prefix
+            if prefix == 0:
+                slots.append(None)
+                masks.append(None)
+                continue
+            slots.append(batch.req_to_token[row, :seq])
+            # Query i (absolute position prefix + i) sees keys 0 .. prefix + i.
+            q_pos = torch.arange(prefix, seq, device=device)[:, None]
+            k_pos = torch.arange(seq, device=device)[None, :]
+            masks.append(k_pos <= q_pos)
+        return ExtendMetadata(token_offsets=offsets, context_slots=slots, masks=masks)
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch
+    ) -> torch.Tensor:
+        batch.kv_pool.store(layer.layer_id, batch.out_slots, k, v)
+        if batch.mode is ForwardMode.DECODE:
+            out = self._decode(q, layer, batch)
+        else:
+            out = self._extend(q, k, v, layer, batch)
+        return out.reshape(q.shape[0], layer.num_heads * layer.head_dim)
+
+    @staticmethod
+    def _decode(q: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch) -> torch.Tensor:
+        meta: DecodeMetadata = batch.attn_metadata
+        k_buf, v_buf = batch.kv_pool.buffers(layer.layer_id)
+        keys = k_buf[meta.slot_index].transpose(1, 2)  # [batch, kv_heads, max_len, head_dim]
+        values = v_buf[meta.slot_index].transpose(1, 2)
+        query = q.unsqueeze(2)  # [batch, q_heads, 1, head_dim]
+        out = F.scaled_dot_product_attention(
+            query, keys, values, attn_mask=meta.mask, scale=layer.scaling, enable_gqa=True
+        )
+        return out.squeeze(2)  # [batch, q_heads, head_dim]
+
+    @staticmethod
+    def _extend(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch
+    ) -> torch.Tensor:
+        meta: ExtendMetadata = batch.attn_metadata
+        out = torch.empty_like(q)
+        k_buf, v_buf = batch.kv_pool.buffers(layer.layer_id)
+        for i, start in enumerate(meta.token_offsets):
+            end = start + batch.seq_lens[i] - batch.prefix_lens[i]
+            query = q[start:end].transpose(0, 1)  # [q_heads, extend, head_dim]
+            if meta.context_slots[i] is None:
+                keys, values = k[start:end].transpose(0, 1), v[start:end].transpose(0, 1)
+                result = F.scaled_dot_product_attention(
+                    query, keys, values, is_causal=True, scale=layer.scaling, enable_gqa=True
+                )
+            else:
+                slots = meta.context_slots[i]
+                keys, values = k_buf[slots].transpose(0, 1), v_buf[slots].transpose(0, 1)  # [kv_heads, seq, dim]
+                result = F.scaled_dot_product_attention(
+                    query, keys, values, attn_mask=meta.masks[i], scale=layer.scaling, enable_gqa=True
+                )
+            out[start:end] = result.transpose(0, 1)
+        return out

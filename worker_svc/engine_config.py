@@ -1,0 +1,38 @@
+"""Engine settings parsed once from the CLI (or built directly by tests) and passed down frozen."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_path: str
+    dtype: str = "auto"
+    device: str = "cpu"
+    # KV pool size in tokens; when None it is sized from kv_cache_memory_bytes.
+    max_total_tokens: int | None = None
+    kv_cache_memory_bytes: int = 1 << 30
+    max_running_requests: int = 64
+    # Longest prompt piece prefilled in one step; longer prompts are prefilled in chunks.
+    chunked_prefill_size: int = 1024
+    # Upper bound on new tokens in one extend step across all requests.
+    max_prefill_tokens: int = 4096
+    context_length: int | None = None
+    json_model_override_args: dict[str, Any] = field(default_factory=dict, hash=False)
+    random_seed: int = 0
+    # Fraction of the KV pool a new request may fill at admission; the rest is kept for decode growth
+    # so admission does not immediately force retraction.
+    new_token_reserve_ratio: float = 0.3
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype {self.dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
+        for name in ("max_running_requests", "chunked_prefill_size", "max_prefill_tokens"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive")
+        if self.max_total_tokens is not None and self.max_total_tokens <= 0:
+            raise ValueError("--max-total-tokens must be positive")

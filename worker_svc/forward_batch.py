@@ -1,0 +1,47 @@
+"""The explicit input of one model step: which tokens, at which positions, writing which KV slots."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from worker_svc.attention.base import AttentionBackend
+
+
+class ForwardMode(enum.Enum):
+    EXTEND = "extend"  # prefill, possibly on top of a cached prefix (chunked prefill, retraction)
+    DECODE = "decode"  # exactly one new token per request
+
+
+@dataclass
+class ForwardBatch:
+    mode: ForwardMode
+    input_ids: torch.Tensor  # [num_tokens] int64, requests packed back to back
+    positions: torch.Tensor  # [num_tokens] int64
+    out_slots: torch.Tensor  # [num_tokens] int64: KV slot each new token writes
+    req_rows: torch.Tensor  # [batch] int64: rows of the request -> token table
+    seq_lens: list[int]  # per request: tokens in the KV cache after this step
+    prefix_lens: list[int]  # per request: tokens already cached before this step
+    req_to_token: torch.Tensor  # [max_requests, max_context + 1] table shared with the scheduler
+    kv_pool: Any  # MHAKVPool (or the MLA latent pool)
+    attn_backend: "AttentionBackend"
+    attn_metadata: Any = field(default=None)  # filled by attn_backend.prepare()
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def extend_lens(self) -> list[int]:
+        return [s - p for s, p in zip(self.seq_lens, self.prefix_lens)]
+
+    def last_token_indices(self) -> torch.Tensor:
+        """[batch]: index into the packed tokens of each request's final token (where logits are taken)."""
+        if self.mode is ForwardMode.DECODE:
+            return torch.arange(self.batch_size, device=self.input_ids.device)
+        ends = torch.tensor(self.extend_lens, device=self.input_ids.device).cumsum(0)
+        return ends - 1

@@ -1,0 +1,19 @@
+"""Architecture name (config.json "architectures"[0]) -> model class."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from worker_svc.config import SUPPORTED_ARCHITECTURES, ConfigError
+from worker_svc.models.llama import LlamaForCausalLM
+
+_MODELS: dict[str, type[nn.Module]] = {"LlamaForCausalLM": LlamaForCausalLM}
+
+
+def model_class(architecture: str) -> type[nn.Module]:
+    try:
+        return _MODELS[architecture]
+    except KeyError:
+        raise ConfigError(
+            f"architecture {architecture!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        ) from None

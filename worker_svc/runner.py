@@ -1,0 +1,136 @@
+"""Model runner: builds the model on the meta device, loads this rank's shard, sizes the KV pool and
+runs one forward step for a ``StepInput``.
+
+A ``StepInput`` is self-contained (token ids, positions, KV slots, per-request lengths), so a
+tensor-parallel follower can replay the leader's step from it alone; the request -> token table is
+updated here from the step, not by the scheduler.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import structlog
+import torch
+
+from worker_svc.attention.torch_native import TorchNativeAttentionBackend
+from worker_svc.config import ModelConfig, load_model_config
+from worker_svc.engine_config import EngineConfig
+from worker_svc.forward_batch import ForwardBatch, ForwardMode
+from worker_svc.kvcache import KVSlotAllocator, MHAKVPool, ReqToTokenTable
+from worker_svc.loader import load_checkpoint
+from worker_svc.models.registry import model_class
+from worker_svc.tp import TPContext
+
+log = structlog.get_logger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class StepInput:
+    mode: ForwardMode
+    input_ids: torch.Tensor  # [tokens] int64
+    positions: torch.Tensor  # [tokens] int64
+    out_slots: torch.Tensor  # [tokens] int64
+    req_rows: torch.Tensor  # [batch] int64
+    seq_lens: list[int]
+    prefix_lens: list[int]
+
+
+def resolve_dtype(requested: str, config: ModelConfig, device: torch.device) -> torch.dtype:
+    name = config.torch_dtype if requested == "auto" else requested
+    dtype = _DTYPES.get(name.replace("torch.", ""), torch.float32)
+    if dtype is torch.float16 and device.type == "cpu":
+        # fp16 matmuls have no fast CPU path; bf16 keeps the range and is fast on AVX-512-BF16.
+        log.info("float16 requested on CPU; using bfloat16")
+        dtype = torch.bfloat16
+    return dtype
+
+
+class ModelRunner:
+    def __init__(self, engine: EngineConfig, tp: TPContext | None = None) -> None:
+        self.engine = engine
+        self.tp = tp or TPContext()
+        self.device = torch.device(engine.device)
+        self.config = load_model_config(engine.model_path, engine.json_model_override_args)
+        self.dtype = resolve_dtype(engine.dtype, self.config, self.device)
+        self.context_len = engine.context_length or self.config.max_position_embeddings
+        torch.manual_seed(engine.random_seed)
+        self.model = self._load_model()
+        self._init_kv_cache()
+        self.attn_backend = TorchNativeAttentionBackend()
+
+    def _load_model(self) -> torch.nn.Module:
+        with torch.device("meta"):
+            model = model_class(self.config.architecture)(self.config, self.tp)
+        model = model.to(dtype=self.dtype).to_empty(device=self.device)
+        model.requires_grad_(False)
+        load_checkpoint(model, self.engine.model_path)
+        for module in model.modules():
+            if hasattr(module, "build_cache"):
+                module.build_cache(self.device)
+        model.eval()
+        log.info(
+            "model loaded",
+            architecture=self.config.architecture,
+            dtype=str(self.dtype),
+            tp_rank=self.tp.rank,
+            tp_size=self.tp.size,
+            weight_bytes=self.weight_bytes(model),
+        )
+        return model
+
+    @staticmethod
+    def weight_bytes(model: torch.nn.Module) -> int:
+        seen, total = set(), 0
+        for tensor in list(model.parameters()) + list(model.buffers()):
+            if id(tensor) not in seen:
+                seen.add(id(tensor))
+                total += tensor.numel() * tensor.element_size()
+        return total
+
+    def _init_kv_cache(self) -> None:
+        cfg = self.config
+        attn = self.model.model.layers[0].self_attn.attn
+        per_token = MHAKVPool.bytes_per_token(cfg.num_hidden_layers, attn.num_kv_heads, cfg.head_dim, self.dtype)
+        size = self.engine.max_total_tokens or max(1, self.engine.kv_cache_memory_bytes // per_token)
+        self.kv_bytes_per_token = per_token
+        self.kv_pool = MHAKVPool(size, cfg.num_hidden_layers, attn.num_kv_heads, cfg.head_dim, self.dtype, self.device)
+        self.allocator = KVSlotAllocator(size, self.device)
+        self.req_table = ReqToTokenTable(self.engine.max_running_requests, self.context_len, self.device)
+        log.info("kv cache ready", max_total_tokens=size, bytes_per_token=per_token, kv_bytes=self.kv_pool.nbytes())
+
+    @property
+    def max_total_tokens(self) -> int:
+        return self.kv_pool.size
+
+    def _record_slots(self, step: StepInput) -> None:
+        table = self.req_table.table
+        if step.mode is ForwardMode.DECODE:
+            lens = torch.tensor(step.seq_lens, device=table.device)
+            table[step.req_rows, lens - 1] = step.out_slots
+            return
+        offset = 0
+        for row, prefix, seq in zip(step.req_rows.tolist(), step.prefix_lens, step.seq_lens):
+            table[row, prefix:seq] = step.out_slots[offset : offset + seq - prefix]
+            offset += seq - prefix
+
+    @torch.inference_mode()
+    def forward(self, step: StepInput) -> torch.Tensor:
+        """Run one step; returns float32 logits [batch, vocab] at each request's final token."""
+        self._record_slots(step)
+        batch = ForwardBatch(
+            mode=step.mode,
+            input_ids=step.input_ids,
+            positions=step.positions,
+            out_slots=step.out_slots,
+            req_rows=step.req_rows,
+            seq_lens=step.seq_lens,
+            prefix_lens=step.prefix_lens,
+            req_to_token=self.req_table.table,
+            kv_pool=self.kv_pool,
+            attn_backend=self.attn_backend,
+        )
+        self.attn_backend.prepare(batch)
+        return self.model(batch)
