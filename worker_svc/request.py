@@ -1,0 +1,86 @@
+"""A generation request as the scheduler tracks it, and what each step reports back about it."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from worker_svc.sampling import SamplingParams
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"  # EOS or a stop token id
+    LENGTH = "length"  # max_new_tokens or the context length
+    ABORT = "abort"  # cancelled, or failed (see Request.error)
+
+
+class RequestError(ValueError):
+    """A request that can never be served as asked. ``field`` names the culprit; ``resource`` marks
+    requests that are well-formed but too large for this worker (RESOURCE_EXHAUSTED, not INVALID_ARGUMENT)."""
+
+    def __init__(self, field: str, message: str, resource: bool = False) -> None:
+        super().__init__(message)
+        self.field = field
+        self.resource = resource
+
+
+@dataclass(eq=False)
+class Request:
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator
+    output_ids: list[int] = field(default_factory=list)
+    # KV state: this request's row in the request -> token table and how many tokens are cached.
+    req_row: int | None = None
+    num_cached: int = 0
+    finish_reason: FinishReason | None = None
+    matched_stop: int | None = None
+    error: str | None = None
+    output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    # Prompt tokens whose KV came from an earlier step (chunked prefill / retraction recompute excluded).
+    cached_prompt_tokens: int = 0
+    num_retractions: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+
+    @property
+    def fill_ids(self) -> list[int]:
+        """Every token whose KV the request needs: the prompt plus what it has generated so far."""
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def remaining_new_tokens(self) -> int:
+        return max(0, self.params.max_new_tokens - len(self.output_ids))
+
+
+@dataclass
+class StepOutput:
+    """What one scheduler step produced for one request."""
+
+    rid: str
+    new_token_ids: list[int]
+    new_logprobs: list[float]
+    new_top_logprobs: list[list[tuple[int, float]]]
+    finish_reason: FinishReason | None
+    matched_stop: int | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,0 +1,330 @@
+"""Continuous-batching scheduler (leader rank only).
+
+Each ``step()`` runs one model forward: an extend batch when waiting requests can be admitted (new
+prompts, the next chunk of a long prompt, or the recompute of a retracted request), otherwise one
+decode token for every running request. It owns KV accounting: slots are taken from the allocator
+when a step needs them and returned when a request finishes, is aborted or is retracted.
+
+Thread model: ``submit``/``abort`` may be called from any thread (they only enqueue); ``step`` runs
+on the single engine thread.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections import deque
+from dataclasses import dataclass
+
+import structlog
+import torch
+
+from worker_svc.forward_batch import ForwardMode
+from worker_svc.request import FinishReason, Request, RequestError, StepOutput
+from worker_svc.runner import ModelRunner, StepInput
+from worker_svc.sampling import SampleOutput, Sampler, SamplingBatch, SamplingParamError
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class SchedulerLoad:
+    running: int
+    waiting: int
+    free_tokens: int
+    total_tokens: int
+    used_tokens: int
+
+
+class Scheduler:
+    def __init__(self, runner: ModelRunner, eos_token_ids: frozenset[int] | None = None) -> None:
+        self.runner = runner
+        self.engine = runner.engine
+        self.allocator = runner.allocator
+        self.req_table = runner.req_table
+        self.sampler = Sampler()
+        self.eos_token_ids = frozenset(runner.config.eos_token_ids if eos_token_ids is None else eos_token_ids)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.chunked: Request | None = None  # a long prompt part-way through chunked prefill
+        self._inbox: list[Request] = []
+        self._abort_inbox: list[str] = []
+        self._lock = threading.Lock()
+
+    # ---- API for other threads -------------------------------------------------------------------
+
+    def validate(self, prompt_ids: list[int], params) -> None:
+        """Raise RequestError (naming the field) for a request this worker can never serve."""
+        vocab = self.runner.config.vocab_size
+        if not prompt_ids:
+            raise RequestError("input_ids", "input_ids is empty: the prompt needs at least one token")
+        bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RequestError("input_ids", f"input_ids contains token id {bad} outside [0, {vocab})")
+        try:
+            params.validate(vocab_size=vocab)
+        except SamplingParamError as exc:
+            raise RequestError(exc.field, str(exc)) from None
+        limit = min(self.runner.context_len, self.allocator.size)
+        if len(prompt_ids) >= limit:
+            raise RequestError(
+                "input_ids", f"prompt of {len(prompt_ids)} tokens does not fit: the limit is {limit - 1}", resource=True
+            )
+        if len(prompt_ids) + params.max_new_tokens > limit:
+            raise RequestError(
+                "max_new_tokens",
+                f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds {limit} tokens "
+                f"(context length {self.runner.context_len}, KV pool {self.allocator.size})",
+                resource=True,
+            )
+
+    def submit(self, request: Request) -> None:
+        self.validate(request.prompt_ids, request.params)
+        with self._lock:
+            self._inbox.append(request)
+
+    def abort(self, rid: str) -> None:
+        with self._lock:
+            self._abort_inbox.append(rid)
+
+    def has_work(self) -> bool:
+        with self._lock:
+            pending = bool(self._inbox or self._abort_inbox)
+        return pending or bool(self.waiting or self.running or self.chunked)
+
+    def load(self) -> SchedulerLoad:
+        free = self.allocator.available()
+        return SchedulerLoad(
+            running=len(self.running) + (self.chunked is not None),
+            waiting=len(self.waiting),
+            free_tokens=free,
+            total_tokens=self.allocator.size,
+            used_tokens=self.allocator.size - free,
+        )
+
+    # ---- the engine loop -------------------------------------------------------------------------
+
+    def step(self) -> list[StepOutput]:
+        outputs = self._drain_inbox()
+        extend = self._schedule_extend()
+        if extend:
+            outputs += self._run(ForwardMode.EXTEND, extend)
+        elif self.running:
+            decode = self._schedule_decode()
+            if decode:
+                outputs += self._run(ForwardMode.DECODE, [(req, 1) for req in decode])
+        return outputs
+
+    def _drain_inbox(self) -> list[StepOutput]:
+        with self._lock:
+            new, self._inbox = self._inbox, []
+            aborts, self._abort_inbox = self._abort_inbox, []
+        self.waiting.extend(new)
+        outputs = []
+        for rid in aborts:
+            req = self._find(rid)
+            if req is not None:
+                outputs.append(self._finish(req, FinishReason.ABORT))
+        return outputs
+
+    def _find(self, rid: str) -> Request | None:
+        for req in (*self.waiting, *self.running, *([self.chunked] if self.chunked else [])):
+            if req.rid == rid:
+                return req
+        return None
+
+    def _reserved_for_decode(self, extra: list[Request] = ()) -> int:
+        ratio = self.engine.new_token_reserve_ratio
+        return math.ceil(ratio * sum(r.remaining_new_tokens for r in (*self.running, *extra)))
+
+    def _schedule_extend(self) -> list[tuple[Request, int]]:
+        """Pick (request, new tokens) pairs for an extend step within the token and memory budgets."""
+        budget = self.engine.max_prefill_tokens
+        available = self.allocator.available()
+        chunk_size = self.engine.chunked_prefill_size
+        batch: list[tuple[Request, int]] = []
+        if self.chunked is not None:
+            req = self.chunked
+            n = min(req.seq_len - req.num_cached, chunk_size, budget, available)
+            if n <= 0:
+                return []
+            batch.append((req, n))
+            budget -= n
+            available -= n
+            if req.num_cached + n < req.seq_len:
+                return batch  # one chunked request at a time
+        admitted: list[Request] = []
+        while self.waiting and budget > 0:
+            if len(self.running) + len(batch) >= self.engine.max_running_requests or not self.req_table.available():
+                break
+            req = self.waiting[0]
+            need = req.seq_len + math.ceil(self.engine.new_token_reserve_ratio * req.remaining_new_tokens)
+            if need > available - self._reserved_for_decode(admitted):
+                break  # first come, first served: do not let later requests overtake it
+            n = min(req.seq_len, chunk_size, budget)
+            self.waiting.popleft()
+            req.req_row = self.req_table.alloc()
+            batch.append((req, n))
+            admitted.append(req)
+            budget -= n
+            available -= n
+            if n < req.seq_len:
+                self.chunked = req
+                break
+        return batch
+
+    def _schedule_decode(self) -> list[Request]:
+        # Retract (free and requeue for recompute) the newest requests until every survivor gets a slot.
+        while self.allocator.available() < len(self.running):
+            victim = max(self.running, key=lambda r: r.arrival_time)
+            if len(self.running) == 1 and self.chunked is not None:
+                victim = self.chunked
+            self._retract(victim)
+        return list(self.running)
+
+    def _retract(self, req: Request) -> None:
+        log.info("retracting request", rid=req.rid, seq_len=req.seq_len, free=self.allocator.available())
+        self._free_kv(req)
+        if req is self.chunked:
+            self.chunked = None
+        else:
+            self.running.remove(req)
+        req.num_retractions += 1
+        self.waiting.appendleft(req)
+
+    def _free_kv(self, req: Request) -> None:
+        if req.req_row is None:
+            return
+        slots = self.req_table.slots(req.req_row, req.num_cached).clone()
+        self.allocator.free(slots)
+        self.req_table.free(req.req_row)
+        req.req_row = None
+        req.num_cached = 0
+
+    def _build_step(self, mode: ForwardMode, batch: list[tuple[Request, int]]) -> StepInput | None:
+        total = sum(n for _, n in batch)
+        slots = self.allocator.alloc(total)
+        if slots is None:
+            return None
+        ids: list[int] = []
+        positions: list[int] = []
+        for req, n in batch:
+            start = req.num_cached
+            ids += req.fill_ids[start : start + n]
+            positions += range(start, start + n)
+        return StepInput(
+            mode=mode,
+            input_ids=torch.tensor(ids, dtype=torch.int64),
+            positions=torch.tensor(positions, dtype=torch.int64),
+            out_slots=slots,
+            req_rows=torch.tensor([req.req_row for req, _ in batch], dtype=torch.int64),
+            seq_lens=[req.num_cached + n for req, n in batch],
+            prefix_lens=[req.num_cached for req, _ in batch],
+        )
+
+    def _run(self, mode: ForwardMode, batch: list[tuple[Request, int]]) -> list[StepOutput]:
+        step = self._build_step(mode, batch)
+        if step is None:  # accounting says it fits; if not, requeue rather than fail anyone
+            for req, _ in batch:
+                if req not in self.running and req is not self.chunked:
+                    self._free_kv(req)
+                    self.waiting.appendleft(req)
+            return []
+        try:
+            logits = self.runner.forward(step)
+        except Exception as exc:  # a failed step fails its own requests, never the engine
+            log.exception("forward step failed", mode=mode.value, batch=len(batch))
+            self.allocator.free(step.out_slots)
+            return [self._finish(req, FinishReason.ABORT, error=f"internal error: {exc}") for req, _ in batch]
+        for req, n in batch:
+            req.num_cached += n
+        ready = [i for i, (req, _) in enumerate(batch) if req.num_cached == req.seq_len]
+        for i, (req, _) in enumerate(batch):
+            if i in ready and req is self.chunked:
+                self.chunked = None
+            if i in ready and req not in self.running:
+                self.running.append(req)
+        if not ready:
+            return []
+        reqs = [batch[i][0] for i in ready]
+        rows = logits if len(ready) == len(batch) else logits[torch.tensor(ready)]
+        sample = self.sampler.sample(rows, self._sampling_batch(reqs))
+        return self._commit_tokens(reqs, sample)
+
+    def _sampling_batch(self, reqs: list[Request]) -> SamplingBatch:
+        return SamplingBatch.build(
+            params=[r.params for r in reqs],
+            generators=[r.generator for r in reqs],
+            output_ids=[r.output_ids for r in reqs],
+            prompt_ids=[r.prompt_ids for r in reqs],
+            eos_token_ids=self.eos_token_ids,
+            vocab_size=self.runner.config.vocab_size,
+            device=self.runner.device,
+        )
+
+    def _commit_tokens(self, reqs: list[Request], sample: SampleOutput) -> list[StepOutput]:
+        tokens = sample.next_token_ids.tolist()
+        logprobs = sample.logprobs.tolist() if sample.logprobs is not None else None
+        top = None
+        if sample.top_logprobs is not None:
+            top = (sample.top_logprobs[0].tolist(), sample.top_logprobs[1].tolist())
+        outputs = []
+        for i, (req, token) in enumerate(zip(reqs, tokens)):
+            req.output_ids.append(token)
+            new_lp: list[float] = []
+            new_top: list[list[tuple[int, float]]] = []
+            if req.params.return_logprob and logprobs is not None:
+                new_lp = [logprobs[i]]
+                req.output_logprobs.append(logprobs[i])
+                if top is not None and req.params.top_logprobs_num:
+                    k = req.params.top_logprobs_num
+                    new_top = [list(zip(top[0][i][:k], top[1][i][:k]))]
+                    req.output_top_logprobs.extend(new_top)
+            reason, matched = self._check_finish(req, token)
+            if reason is not None:
+                out = self._finish(req, reason, matched=matched)
+                out.new_token_ids, out.new_logprobs, out.new_top_logprobs = [token], new_lp, new_top
+            else:
+                out = self._output(req, [token], new_lp, new_top)
+            outputs.append(out)
+        return outputs
+
+    def _check_finish(self, req: Request, token: int) -> tuple[FinishReason | None, int | None]:
+        if len(req.output_ids) >= req.params.min_new_tokens:
+            if token in self.eos_token_ids and not req.params.ignore_eos:
+                return FinishReason.STOP, token
+            if token in req.params.stop_token_ids:
+                return FinishReason.STOP, token
+        if len(req.output_ids) >= req.params.max_new_tokens or req.seq_len >= self.runner.context_len:
+            return FinishReason.LENGTH, None
+        return None, None
+
+    def _finish(
+        self, req: Request, reason: FinishReason, matched: int | None = None, error: str | None = None
+    ) -> StepOutput:
+        self._free_kv(req)
+        if req is self.chunked:
+            self.chunked = None
+        if req in self.running:
+            self.running.remove(req)
+        if req in self.waiting:
+            self.waiting.remove(req)
+        req.finish_reason, req.matched_stop, req.error = reason, matched, error
+        return self._output(req, [], [], [])
+
+    @staticmethod
+    def _output(
+        req: Request, tokens: list[int], logprobs: list[float], top: list[list[tuple[int, float]]]
+    ) -> StepOutput:
+        return StepOutput(
+            rid=req.rid,
+            new_token_ids=tokens,
+            new_logprobs=logprobs,
+            new_top_logprobs=top,
+            finish_reason=req.finish_reason,
+            matched_stop=req.matched_stop,
+            prompt_tokens=len(req.prompt_ids),
+            completion_tokens=len(req.output_ids),
+            cached_tokens=req.cached_prompt_tokens,
+            error=req.error,
+        )
