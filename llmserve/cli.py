@@ -1,0 +1,28 @@
+"""`llmserve` command line: one subcommand per module, each adding its own subparser."""
+
+import argparse
+from collections.abc import Callable, Sequence
+
+from llmserve.modelgen import command as make_model_command
+
+# Each entry adds one subparser and sets `func(args) -> int` as its default. New subcommands
+# (serve, worker, bench-one-batch, ...) append their module's register here.
+Register = Callable[["argparse._SubParsersAction[argparse.ArgumentParser]"], None]
+SUBCOMMANDS: tuple[Register, ...] = (make_model_command.register,)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="llmserve", description="gRPC LLM serving")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for register in SUBCOMMANDS:
+        register(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
