@@ -27,6 +27,8 @@ class EngineConfig:
     # Fraction of the KV pool a new request may fill at admission; the rest is kept for decode growth
     # so admission does not immediately force retraction.
     new_token_reserve_ratio: float = 0.3
+    # Let running requests decode inside extend steps instead of waiting for prefills to finish.
+    enable_mixed_chunk: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -65,6 +65,8 @@ class ModelRunner:
         with torch.device("meta"):
             model = model_class(self.config.architecture)(self.config, self.tp)
         model = model.to(dtype=self.dtype).to_empty(device=self.device)
+        if hasattr(model, "tie_weights"):
+            model.tie_weights()
         model.requires_grad_(False)
         load_checkpoint(model, self.engine.model_path)
         for module in model.modules():
@@ -94,7 +96,10 @@ class ModelRunner:
         cfg = self.config
         attn = self.model.model.layers[0].self_attn.attn
         per_token = MHAKVPool.bytes_per_token(cfg.num_hidden_layers, attn.num_kv_heads, cfg.head_dim, self.dtype)
-        size = self.engine.max_total_tokens or max(1, self.engine.kv_cache_memory_bytes // per_token)
+        # Without an explicit size: the memory budget, but never more than every running request can use.
+        size = self.engine.max_total_tokens or max(
+            1, min(self.engine.kv_cache_memory_bytes // per_token, self.engine.max_running_requests * self.context_len)
+        )
         self.kv_bytes_per_token = per_token
         self.kv_pool = MHAKVPool(size, cfg.num_hidden_layers, attn.num_kv_heads, cfg.head_dim, self.dtype, self.device)
         self.allocator = KVSlotAllocator(size, self.device)

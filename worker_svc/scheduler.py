@@ -108,7 +108,7 @@ class Scheduler:
         outputs = self._drain_inbox()
         extend = self._schedule_extend()
         if extend:
-            outputs += self._run(ForwardMode.EXTEND, extend)
+            outputs += self._run(ForwardMode.EXTEND, extend + self._mixed_decode(extend))
         elif self.running:
             decode = self._schedule_decode()
             if decode:
@@ -172,6 +172,18 @@ class Scheduler:
                 self.chunked = req
                 break
         return batch
+
+    def _mixed_decode(self, extend: list[tuple[Request, int]]) -> list[tuple[Request, int]]:
+        """Running requests ride along in an extend step as one-token extends, so a long chunked
+        prefill does not stall everyone's decoding (sglang's mixed chunk)."""
+        if not self.engine.enable_mixed_chunk:
+            return []
+        in_extend = {id(req) for req, _ in extend}
+        riders = [req for req in self.running if id(req) not in in_extend]
+        needed = sum(n for _, n in extend) + len(riders)
+        if not riders or needed > self.allocator.available():
+            return []
+        return [(req, 1) for req in riders]
 
     def _schedule_decode(self) -> list[Request]:
         # Retract (free and requeue for recompute) the newest requests until every survivor gets a slot.

@@ -123,7 +123,11 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.model = LlamaModel(config, tp)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
-        if config.tie_word_embeddings:
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the LM head; re-run after materialising (to_empty unties)."""
+        if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:

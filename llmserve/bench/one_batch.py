@@ -1,0 +1,165 @@
+"""`llmserve bench-one-batch`: static-batch latency and an HF-checked correctness mode (sglang's
+bench_one_batch and reference_hf.py in one command)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from llmserve.bench.driver import StaticBatch, greedy_with_split_prefill
+from worker_svc.cli_args import add_engine_args, engine_config_from_args
+from worker_svc.runner import ModelRunner
+
+# The three prompts of sglang's bench_one_batch --correct.
+DEFAULT_PROMPTS = (
+    "The capital of France is",
+    "The capital of the United Kindom is",
+    "Today is a sunny day and I like",
+)
+
+
+def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    p = subparsers.add_parser("bench-one-batch", help="static-batch latency, or --correct against HF")
+    add_engine_args(p)
+    p.add_argument("--batch-size", type=int, nargs="+", default=[1])
+    p.add_argument("--input-len", type=int, nargs="+", default=[128])
+    p.add_argument("--output-len", type=int, nargs="+", default=[16])
+    p.add_argument("--correct", action="store_true", help="greedy-decode prompts and compare with HF")
+    p.add_argument("--prompts-file", type=Path, default=None, help="one prompt per line (with --correct)")
+    p.add_argument("--cut-len", type=int, default=4, help="--correct: tokens prefilled before the extend")
+    p.add_argument("--logits-atol", type=float, default=1e-4, help="--correct: max |ours - HF| (fp32)")
+    p.add_argument("--min-cosine", type=float, default=0.999, help="--correct: logits cosine (bf16)")
+    p.add_argument("--compare-hf", action="store_true", help="latency: interleave HF generate, report ratio")
+    p.add_argument("--repeats", type=int, default=1, help="latency: measurements per setting")
+    p.add_argument("--result-file", type=Path, default=None, help="write results as JSON")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    runner = ModelRunner(engine_config_from_args(args))
+    if args.correct:
+        return correctness(runner, args)
+    return latency(runner, args)
+
+
+# ---- correctness ----------------------------------------------------------------------------------
+
+
+def _load_prompts(args: argparse.Namespace) -> list[str]:
+    if args.prompts_file is None:
+        return list(DEFAULT_PROMPTS)
+    return [line for line in args.prompts_file.read_text().splitlines() if line.strip()]
+
+
+def correctness(runner: ModelRunner, args: argparse.Namespace) -> int:
+    from tokenizers import Tokenizer
+
+    from llmserve.bench.reference_hf import hf_greedy
+
+    tokenizer = Tokenizer.from_file(str(Path(args.model) / "tokenizer.json"))
+    texts = _load_prompts(args)
+    prompts = [tokenizer.encode(text).ids for text in texts]
+    output_len = args.output_len[0]
+    logits, outputs = greedy_with_split_prefill(runner, prompts, output_len, args.cut_len)
+    ref_logits, ref_outputs = hf_greedy(args.model, prompts, output_len)
+    exact = runner.dtype == torch.float32
+    ok = True
+    records = []
+    for i, text in enumerate(texts):
+        diff = (logits[i] - ref_logits[i]).abs().max().item()
+        cosine = torch.nn.functional.cosine_similarity(logits[i], ref_logits[i], dim=0).item()
+        same = sum(a == b for a, b in zip(outputs[i], ref_outputs[i]))
+        print(f"========== Prompt {i} ==========")
+        with torch.inference_mode():
+            torch.set_printoptions(threshold=16, edgeitems=3, precision=4)
+            print(f"prefill logits (final) {logits[i]}")
+            torch.set_printoptions(profile="default")
+        print(tokenizer.decode(prompts[i] + outputs[i], skip_special_tokens=False))
+        print(f"max |ours - HF| {diff:.3e}  cosine {cosine:.6f}  greedy tokens equal to HF {same}/{output_len}")
+        passed = (diff <= args.logits_atol and outputs[i] == ref_outputs[i]) if exact else cosine >= args.min_cosine
+        ok &= passed
+        records.append({
+            "prompt": text, "input_ids": prompts[i], "prefill_logits": logits[i].tolist(),
+            "output_ids": outputs[i], "hf_output_ids": ref_outputs[i], "max_abs_diff": diff, "cosine": cosine,
+        })
+    if args.result_file:
+        args.result_file.write_text(json.dumps({"dtype": str(runner.dtype), "prompts": records}))
+    print("Correctness check:", "PASSED" if ok else "FAILED")
+    return 0 if ok else 1
+
+
+# ---- latency --------------------------------------------------------------------------------------
+
+
+def _timed_run(runner: ModelRunner, batch_size: int, input_len: int, output_len: int, quiet: bool) -> dict:
+    generator = torch.Generator().manual_seed(0)
+    vocab = runner.config.vocab_size
+    prompts = torch.randint(0, vocab, (batch_size, input_len), generator=generator).tolist()
+    batch = StaticBatch(runner, batch_size)
+    try:
+        start = time.perf_counter()
+        logits = batch.extend(prompts)
+        prefill = time.perf_counter() - start
+        if not quiet:
+            print(f"Prefill. latency: {prefill:6.5f} s, throughput: {batch_size * input_len / prefill:9.2f} token/s")
+        decode_times = []
+        for step in range(output_len - 1):
+            tick = time.perf_counter()
+            logits = batch.decode(logits.argmax(dim=-1))
+            decode_times.append(time.perf_counter() - tick)
+            if not quiet and step < 5:
+                print(f"Decode.  latency: {decode_times[-1]:6.5f} s, "
+                      f"throughput: {batch_size / decode_times[-1]:9.2f} token/s")
+        total = time.perf_counter() - start
+    finally:
+        batch.release()
+    median = statistics.median(decode_times) if decode_times else float("nan")
+    if not quiet:
+        print(f"Decode.  median latency: {median:6.5f} s, median throughput: {batch_size / median:9.2f} token/s")
+        print(f"Total. latency: {total:6.3f} s, throughput: "
+              f"{batch_size * (input_len + output_len) / total:9.2f} token/s")
+    return {
+        "batch_size": batch_size, "input_len": input_len, "output_len": output_len,
+        "prefill_latency": prefill, "prefill_throughput": batch_size * input_len / prefill,
+        "median_decode_latency": median, "median_decode_throughput": batch_size / median,
+        "total_latency": total,
+    }
+
+
+def latency(runner: ModelRunner, args: argparse.Namespace) -> int:
+    hf = None
+    if args.compare_hf:
+        from llmserve.bench.hf_generate import HFGenerateTimer
+
+        hf = HFGenerateTimer(args.model, runner.dtype)
+    print("Warmup ...")
+    _timed_run(runner, args.batch_size[0], args.input_len[0], min(4, args.output_len[0]), quiet=False)
+    print("Benchmark ...")
+    results = []
+    for bs in args.batch_size:
+        for il in args.input_len:
+            for ol in args.output_len:
+                if bs * (il + ol) > runner.max_total_tokens:
+                    print(f"skip bs={bs} input={il} output={ol}: exceeds the KV pool", file=sys.stderr)
+                    continue
+                for _ in range(args.repeats):
+                    result = _timed_run(runner, bs, il, ol, quiet=False)
+                    if hf is not None:
+                        hf_step = hf.decode_step_latency(bs, il, ol)
+                        result["hf_median_decode_latency"] = hf_step
+                        result["decode_speedup_vs_hf"] = hf_step / result["median_decode_latency"]
+                        print(f"HF generate decode latency: {hf_step:6.5f} s -> ours is "
+                              f"{result['decode_speedup_vs_hf']:.2f}x faster")
+                    results.append(result)
+    if args.result_file:
+        args.result_file.write_text(json.dumps(results, indent=2))
+    return 0

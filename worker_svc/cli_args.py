@@ -1,0 +1,53 @@
+"""Engine command-line flags, shared by `bench-one-batch`, `worker` and `serve`, parsed once into an
+EngineConfig at the edge."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from worker_svc.engine_config import DTYPES, EngineConfig
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", "--model-path", dest="model", required=True, help="HF-format model folder")
+    g.add_argument("--dtype", choices=DTYPES, default="auto", help="auto: the checkpoint's torch_dtype")
+    g.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    g.add_argument("--max-total-tokens", type=int, default=None, help="KV pool size in tokens")
+    g.add_argument("--kv-cache-memory-mb", type=int, default=1024,
+                   help="KV pool memory budget when --max-total-tokens is not given")
+    g.add_argument("--max-running-requests", type=int, default=64)
+    g.add_argument("--chunked-prefill-size", type=int, default=1024)
+    g.add_argument("--max-prefill-tokens", type=int, default=4096)
+    g.add_argument("--context-length", type=int, default=None)
+    g.add_argument("--json-model-override-args", type=_json_object, default={}, metavar="JSON",
+                   help='override config.json fields, e.g. \'{"rope_theta": 10000}\'')
+    g.add_argument("--random-seed", type=int, default=0)
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model_path=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        max_total_tokens=args.max_total_tokens,
+        kv_cache_memory_bytes=args.kv_cache_memory_mb << 20,
+        max_running_requests=args.max_running_requests,
+        chunked_prefill_size=args.chunked_prefill_size,
+        max_prefill_tokens=args.max_prefill_tokens,
+        context_length=args.context_length,
+        json_model_override_args=args.json_model_override_args,
+        random_seed=args.random_seed,
+    )
