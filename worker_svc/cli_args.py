@@ -7,7 +7,7 @@ import argparse
 import json
 from typing import Any
 
-from worker_svc.engine_config import DTYPES, EngineConfig
+from worker_svc.engine_config import CPU_BF16_LINEAR_KERNELS, DTYPES, EngineConfig
 
 
 def _json_object(text: str) -> dict[str, Any]:
@@ -35,6 +35,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--json-model-override-args", type=_json_object, default={}, metavar="JSON",
                    help='override config.json fields, e.g. \'{"rope_theta": 10000}\'')
     g.add_argument("--random-seed", type=int, default=0)
+    g.add_argument("--cpu-bf16-linear", choices=CPU_BF16_LINEAR_KERNELS, default="auto",
+                   help="bf16 matmul kernel on the CPU (auto: blocked_upcast on CPUs without native bf16)")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -50,4 +52,5 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         context_length=args.context_length,
         json_model_override_args=args.json_model_override_args,
         random_seed=args.random_seed,
+        cpu_bf16_linear=args.cpu_bf16_linear,
     )

@@ -3,6 +3,7 @@ as the core the gRPC worker wraps."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass
 
@@ -57,12 +58,15 @@ class Engine:
     def generate(
         self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
     ) -> list[GenerationResult]:
-        """Generate for every prompt (``n`` samples each, in order) and block until all finish."""
+        """Generate for every prompt (``n`` samples each, in order) and block until all finish.
+
+        Sample ``i`` of a seeded request uses seed ``seed + i``: the same seed for all ``n`` would
+        give ``n`` identical sequences."""
         per_prompt = params if isinstance(params, list) else [params] * len(prompts)
         reqs = [
-            self.submit(prompt, p, rid=None)
+            self.submit(prompt, p if i == 0 or p.seed is None else dataclasses.replace(p, seed=p.seed + i), rid=None)
             for prompt, p in zip(prompts, per_prompt)
-            for _ in range(p.n)
+            for i in range(p.n)
         ]
         self.run_until_idle()
         return [self.result(req) for req in reqs]

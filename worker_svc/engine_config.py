@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+CPU_BF16_LINEAR_KERNELS = ("auto", "aten", "blocked_upcast")
 
 
 @dataclass(frozen=True)
@@ -30,11 +31,17 @@ class EngineConfig:
     # Let running requests decode inside extend steps instead of waiting for prefills to finish.
     enable_mixed_chunk: bool = True
 
+    # Matmul kernel for bf16 weights on the CPU: "auto" picks "blocked_upcast" on CPUs without
+    # native bf16 instructions (AVX2-only), "aten" elsewhere.
+    cpu_bf16_linear: str = "auto"
+
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype {self.dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
         for name in ("max_running_requests", "chunked_prefill_size", "max_prefill_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive")
+        if self.cpu_bf16_linear not in CPU_BF16_LINEAR_KERNELS:
+            raise ValueError(f"--cpu-bf16-linear must be one of {', '.join(CPU_BF16_LINEAR_KERNELS)}")
         if self.max_total_tokens is not None and self.max_total_tokens <= 0:
             raise ValueError("--max-total-tokens must be positive")

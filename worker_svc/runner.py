@@ -17,6 +17,9 @@ from worker_svc.attention.torch_native import TorchNativeAttentionBackend
 from worker_svc.config import ModelConfig, load_model_config
 from worker_svc.engine_config import EngineConfig
 from worker_svc.forward_batch import ForwardBatch, ForwardMode
+from worker_svc.layers.cpu_kernels import BlockedUpcastLinear, cpu_has_native_bf16
+from worker_svc.layers.embedding import ParallelLMHead
+from worker_svc.layers.linear import KernelLinear
 from worker_svc.kvcache import KVSlotAllocator, MHAKVPool, ReqToTokenTable
 from worker_svc.loader import load_checkpoint
 from worker_svc.models.registry import model_class
@@ -72,6 +75,7 @@ class ModelRunner:
         for module in model.modules():
             if hasattr(module, "build_cache"):
                 module.build_cache(self.device)
+        self._select_linear_kernels(model)
         model.eval()
         log.info(
             "model loaded",
@@ -82,6 +86,19 @@ class ModelRunner:
             weight_bytes=self.weight_bytes(model),
         )
         return model
+
+    def _select_linear_kernels(self, model: torch.nn.Module) -> None:
+        choice = self.engine.cpu_bf16_linear
+        if choice == "auto":
+            slow_bf16 = self.device.type == "cpu" and self.dtype == torch.bfloat16 and not cpu_has_native_bf16()
+            choice = "blocked_upcast" if slow_bf16 else "aten"
+        if choice != "blocked_upcast":
+            return
+        kernel = BlockedUpcastLinear()  # one shared scratch buffer: the engine runs one step at a time
+        for module in model.modules():
+            if isinstance(module, (KernelLinear, ParallelLMHead)):
+                module.kernel = kernel
+        log.info("cpu bf16 linear kernel", kernel=choice)
 
     @staticmethod
     def weight_bytes(model: torch.nn.Module) -> int:

@@ -1,8 +1,11 @@
 """Torch-native attention over the paged KV pool with ``F.scaled_dot_product_attention``.
 
-Decode gathers every request's cached K/V into one padded [batch, kv_heads, max_len, head_dim] tensor
-(indices and mask built once per step) so each layer is one gather and one SDPA call. Extend runs one
-SDPA per request with a causal mask offset by the cached prefix.
+Decode gathers every request's cached K/V into one padded [batch, max_len, kv_heads, head_dim] tensor
+(indices and mask built once per step) and attends with two grouped matmuls in fp32: the query heads
+sharing a KV head become the rows of one matmul, so GQA needs no K/V repetition. On the CPU this is
+several times faster than SDPA's flash kernel for one query token (docs/benchmarks.md); SDPA stays
+selectable (``decode_impl="sdpa"``) and the tests hold the two equal. Extend runs one SDPA per request
+with a causal mask offset by the cached prefix.
 """
 
 from __future__ import annotations
@@ -30,6 +33,11 @@ class ExtendMetadata:
 
 
 class TorchNativeAttentionBackend:
+    def __init__(self, decode_impl: str = "grouped_matmul") -> None:
+        if decode_impl not in ("grouped_matmul", "sdpa"):
+            raise ValueError(f"decode_impl must be 'grouped_matmul' or 'sdpa', got {decode_impl!r}")
+        self.decode_impl = decode_impl
+
     def prepare(self, batch: ForwardBatch) -> None:
         if batch.mode is ForwardMode.DECODE:
             batch.attn_metadata = self._prepare_decode(batch)
@@ -71,13 +79,29 @@ class TorchNativeAttentionBackend:
     ) -> torch.Tensor:
         batch.kv_pool.store(layer.layer_id, batch.out_slots, k, v)
         if batch.mode is ForwardMode.DECODE:
-            out = self._decode(q, layer, batch)
+            decode = self._decode_grouped if self.decode_impl == "grouped_matmul" else self._decode_sdpa
+            out = decode(q, layer, batch)
         else:
             out = self._extend(q, k, v, layer, batch)
         return out.reshape(q.shape[0], layer.num_heads * layer.head_dim)
 
     @staticmethod
-    def _decode(q: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch) -> torch.Tensor:
+    def _decode_grouped(q: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch) -> torch.Tensor:
+        meta: DecodeMetadata = batch.attn_metadata
+        k_buf, v_buf = batch.kv_pool.buffers(layer.layer_id)
+        bsz, groups = q.shape[0], layer.num_heads // layer.num_kv_heads
+        keys = k_buf[meta.slot_index].float()  # [batch, max_len, kv_heads, head_dim]
+        values = v_buf[meta.slot_index].float()
+        query = q.view(bsz, layer.num_kv_heads, groups, layer.head_dim).float()  # q head = kv head * groups + g
+        scores = torch.matmul(query, keys.permute(0, 2, 3, 1)) * layer.scaling  # [batch, kv_heads, groups, max_len]
+        if meta.mask is not None:
+            scores.masked_fill_(~meta.mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out = torch.matmul(probs, values.transpose(1, 2))  # [batch, kv_heads, groups, head_dim]
+        return out.view(bsz, layer.num_heads, layer.head_dim).to(q.dtype)
+
+    @staticmethod
+    def _decode_sdpa(q: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch) -> torch.Tensor:
         meta: DecodeMetadata = batch.attn_metadata
         k_buf, v_buf = batch.kv_pool.buffers(layer.layer_id)
         keys = k_buf[meta.slot_index].transpose(1, 2)  # [batch, kv_heads, max_len, head_dim]

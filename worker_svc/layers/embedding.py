@@ -49,7 +49,9 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Projects hidden states onto this rank's vocab slice; ``logits`` gathers the full row."""
 
+    kernel = staticmethod(F.linear)  # swappable like KernelLinear's
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        local = F.linear(hidden, self.weight)  # [tokens, vocab_per_rank]
+        local = self.kernel(hidden, self.weight, None)  # [tokens, vocab_per_rank]
         full = self.tp.all_gather_last_dim(local)
         return full[..., : self.vocab_size].float()

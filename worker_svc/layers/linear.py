@@ -7,6 +7,7 @@ the full checkpoint tensor. Staying an ``nn.Linear`` subclass lets torchao quant
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -43,7 +44,20 @@ def _copy_checked(param: torch.Tensor, loaded: torch.Tensor, what: str) -> None:
     param.data.copy_(loaded)
 
 
-class ColumnParallelLinear(nn.Linear):
+LinearKernel = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+
+
+class KernelLinear(nn.Linear):
+    """An ``nn.Linear`` whose matmul is a swappable kernel (chosen by the runner for the device and
+    dtype, or by quantization); the default is aten's ``F.linear``."""
+
+    kernel: LinearKernel = staticmethod(F.linear)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return self.kernel(x, self.weight, self.bias)
+
+
+class ColumnParallelLinear(KernelLinear):
     """y = x W^T with W split by output rows; each rank produces its slice of y."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPContext) -> None:
@@ -58,7 +72,7 @@ class ColumnParallelLinear(nn.Linear):
         _copy_checked(param, source[start:end], "column-parallel weight")
 
 
-class MergedColumnParallelLinear(nn.Linear):
+class MergedColumnParallelLinear(KernelLinear):
     """Several column-parallel outputs fused in one matmul (gate_proj + up_proj -> gate_up_proj)."""
 
     def __init__(self, in_features: int, output_sizes: list[int], bias: bool, tp: TPContext) -> None:
@@ -77,7 +91,7 @@ class MergedColumnParallelLinear(nn.Linear):
         _copy_checked(target, source[start:end], f"merged shard {shard_id}")
 
 
-class QKVParallelLinear(nn.Linear):
+class QKVParallelLinear(KernelLinear):
     """Fused q/k/v projection, sharded by attention head.
 
     When there are fewer KV heads than ranks, each KV head is replicated on ``tp.size / num_kv_heads``
@@ -118,7 +132,7 @@ class QKVParallelLinear(nn.Linear):
         _copy_checked(param.data.narrow(0, offset, rows), source[start : start + rows], f"{shard_id}_proj shard")
 
 
-class RowParallelLinear(nn.Linear):
+class RowParallelLinear(KernelLinear):
     """y = x W^T with W split by input columns; each rank holds a partial sum that is all-reduced.
 
     ``forward(x, reduce=False)`` returns the partial sum instead, so a caller (the two-micro-batch
@@ -142,7 +156,7 @@ class RowParallelLinear(nn.Linear):
         _copy_checked(param, source[:, start:end], "row-parallel weight")
 
     def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:  # type: ignore[override]
-        out = F.linear(x, self.weight, self.bias)
+        out = self.kernel(x, self.weight, self.bias)
         if reduce:
             self.tp.all_reduce(out)
         return out

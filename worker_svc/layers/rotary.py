@@ -52,13 +52,16 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)  # [positions, head_dim]
         self.cos_sin = torch.stack((emb.cos(), emb.sin()), dim=1)
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [tokens, q_heads, head_dim], k: [tokens, kv_heads, head_dim]; positions: [tokens]."""
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin), each [tokens, 1, head_dim] in ``dtype``; computed once per step, used by every layer."""
         assert self.cos_sin is not None, "build_cache() was not called after materialising the model"
-        cos_sin = self.cos_sin[positions].to(q.dtype)  # [tokens, 2, head_dim]
-        cos, sin = cos_sin[:, 0:1], cos_sin[:, 1:2]  # [tokens, 1, head_dim] each
-        q_out = q * cos + _rotate_half(q) * sin
-        k_out = k * cos + _rotate_half(k) * sin
-        return q_out, k_out
+        cos_sin = self.cos_sin[positions].to(dtype)  # [tokens, 2, head_dim]
+        return cos_sin[:, 0:1], cos_sin[:, 1:2]
+
+
+def apply_rotary(
+    q: torch.Tensor, k: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q: [tokens, q_heads, head_dim], k: [tokens, kv_heads, head_dim]; cos/sin broadcast over heads."""
+    cos, sin = cos_sin
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin

@@ -17,8 +17,10 @@ from worker_svc.layers.activation import silu_and_mul
 from worker_svc.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from worker_svc.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from worker_svc.layers.norm import RMSNorm
-from worker_svc.layers.rotary import RotaryEmbedding
+from worker_svc.layers.rotary import RotaryEmbedding, apply_rotary
 from worker_svc.tp import TPContext
+
+Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each [tokens, 1, head_dim]
 
 
 class LlamaMLP(nn.Module):
@@ -33,7 +35,7 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding, tp: TPContext) -> None:
+    def __init__(self, config: ModelConfig, layer_id: int, tp: TPContext) -> None:
         super().__init__()
         self.qkv_proj = QKVParallelLinear(
             config.hidden_size,
@@ -44,7 +46,6 @@ class LlamaAttention(nn.Module):
             tp,
         )
         self.o_proj = RowParallelLinear(config.q_size, config.hidden_size, config.attention_bias, tp)
-        self.rotary = rotary
         self.head_dim = config.head_dim
         self.attn = AttentionLayer(
             layer_id,
@@ -54,37 +55,35 @@ class LlamaAttention(nn.Module):
             scaling=config.head_dim**-0.5,
         )
 
-    def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch, reduce: bool = True
-    ) -> torch.Tensor:
+    def forward(self, rope: Rope, x: torch.Tensor, batch: ForwardBatch, reduce: bool = True) -> torch.Tensor:
         qkv = self.qkv_proj(x)  # [tokens, q_size + 2 * kv_size] (local heads)
         q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(-1, self.attn.num_heads, self.head_dim)  # [tokens, q_heads, head_dim]
         k = k.view(-1, self.attn.num_kv_heads, self.head_dim)  # [tokens, kv_heads, head_dim]
         v = v.view(-1, self.attn.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
+        q, k = apply_rotary(q, k, rope)
         out = self.attn(q, k, v, batch)  # [tokens, q_heads * head_dim]
         return self.o_proj(out, reduce=reduce)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding, tp: TPContext) -> None:
+    def __init__(self, config: ModelConfig, layer_id: int, tp: TPContext) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_id, rotary, tp)
+        self.self_attn = LlamaAttention(config, layer_id, tp)
         self.mlp = LlamaMLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
-        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch
+        self, rope: Rope, hidden: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm.forward_with_residual(hidden, residual)
-        hidden = self.self_attn(positions, hidden, batch)
+        hidden = self.self_attn(rope, hidden, batch)
         hidden, residual = self.post_attention_layernorm.forward_with_residual(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -95,15 +94,16 @@ class LlamaModel(nn.Module):
         self.rotary = RotaryEmbedding(config.rope, config.head_dim, config.max_position_embeddings)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, self.rotary, tp) for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, i, tp) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         hidden = self.embed_tokens(batch.input_ids)  # [tokens, hidden]
+        rope = self.rotary.lookup(batch.positions, hidden.dtype)
         residual = None
         for layer in self.layers:
-            hidden, residual = layer(batch.positions, hidden, residual, batch)
+            hidden, residual = layer(rope, hidden, residual, batch)
         hidden, _ = self.norm.forward_with_residual(hidden, residual)
         return hidden
 

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Create .venv (if needed) and install llmserve with the worker stack and test tools.
+# torch is pinned to 2.13.0 in pyproject: that is the CPU wheel here; an unpinned torch would pull
+# a multi-GB CUDA build. On a GPU host, install your CUDA torch 2.13.0 first and pip keeps it.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON="${PYTHON:-python3}"
+if [ ! -x .venv/bin/python ]; then
+  "$PYTHON" -m venv .venv
+fi
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q -e '.[worker,test]'
