@@ -8,10 +8,21 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from llmserve.modelgen import make_model
 
 ModelFactory = Callable[..., Path]
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _one_intra_op_thread():
+    # Test models are tiny: a second intra-op thread buys nothing, and on a busy 2-core machine
+    # OpenMP threads waiting on each other make every step tens of times slower.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")

@@ -5,6 +5,7 @@ Everything below the loader takes a ``ModelConfig``; nothing re-reads the JSON d
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -140,4 +141,11 @@ def load_model_config(model_dir: str | Path, overrides: dict[str, Any] | None = 
     cfg = json.loads(path.read_text())
     if overrides:
         cfg.update(overrides)
-    return parse_model_config(cfg)
+    config = parse_model_config(cfg)
+    # As HF generate and sglang do, generation_config.json's eos ids also end generation (Llama 3
+    # Instruct lists <|eot_id|> only there).
+    gen_path = Path(model_dir) / "generation_config.json"
+    gen_eos = json.loads(gen_path.read_text()).get("eos_token_id") if gen_path.is_file() else None
+    gen_ids = gen_eos if isinstance(gen_eos, list) else ([gen_eos] if gen_eos is not None else [])
+    extra = tuple(t for t in dict.fromkeys(gen_ids) if t not in config.eos_token_ids)
+    return dataclasses.replace(config, eos_token_ids=config.eos_token_ids + extra) if extra else config
