@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-CPU_BF16_LINEAR_KERNELS = ("auto", "aten", "blocked_upcast")
+CPU_BF16_LINEAR_KERNELS = ("auto", "aten", "fbgemm_fp16", "fbgemm_fp16_lowmem", "blocked_upcast")
 
 
 @dataclass(frozen=True)
@@ -31,8 +31,10 @@ class EngineConfig:
     # Let running requests decode inside extend steps instead of waiting for prefills to finish.
     enable_mixed_chunk: bool = True
 
-    # Matmul kernel for bf16 weights on the CPU: "auto" picks "blocked_upcast" on CPUs without
-    # native bf16 instructions (AVX2-only), "aten" elsewhere.
+    # Matmul kernel for bf16 weights on the CPU (layers/cpu_kernels.py): "auto" picks "fbgemm_fp16"
+    # (or "blocked_upcast" without FBGEMM) on CPUs lacking native bf16 instructions (AVX2-only),
+    # "aten" elsewhere. "fbgemm_fp16" keeps the bf16 weights for one-row GEMV (2x linear weight
+    # memory); "fbgemm_fp16_lowmem" keeps only the packed copy.
     cpu_bf16_linear: str = "auto"
 
     def __post_init__(self) -> None:

@@ -17,7 +17,12 @@ from worker_svc.attention.torch_native import TorchNativeAttentionBackend
 from worker_svc.config import ModelConfig, load_model_config
 from worker_svc.engine_config import EngineConfig
 from worker_svc.forward_batch import ForwardBatch, ForwardMode
-from worker_svc.layers.cpu_kernels import BlockedUpcastLinear, cpu_has_native_bf16
+from worker_svc.layers.cpu_kernels import (
+    BlockedUpcastLinear,
+    PackedFp16Linear,
+    cpu_has_native_bf16,
+    fbgemm_available,
+)
 from worker_svc.layers.embedding import ParallelLMHead
 from worker_svc.layers.linear import KernelLinear
 from worker_svc.kvcache import KVSlotAllocator, MHAKVPool, ReqToTokenTable
@@ -76,6 +81,7 @@ class ModelRunner:
             if hasattr(module, "build_cache"):
                 module.build_cache(self.device)
         self._select_linear_kernels(model)
+        self.weight_nbytes = self.weight_bytes(model)
         model.eval()
         log.info(
             "model loaded",
@@ -83,7 +89,7 @@ class ModelRunner:
             dtype=str(self.dtype),
             tp_rank=self.tp.rank,
             tp_size=self.tp.size,
-            weight_bytes=self.weight_bytes(model),
+            weight_bytes=self.weight_nbytes,
         )
         return model
 
@@ -91,23 +97,40 @@ class ModelRunner:
         choice = self.engine.cpu_bf16_linear
         if choice == "auto":
             slow_bf16 = self.device.type == "cpu" and self.dtype == torch.bfloat16 and not cpu_has_native_bf16()
-            choice = "blocked_upcast" if slow_bf16 else "aten"
-        if choice != "blocked_upcast":
+            choice = ("fbgemm_fp16" if fbgemm_available() else "blocked_upcast") if slow_bf16 else "aten"
+        if choice.startswith("fbgemm") and not fbgemm_available():
+            raise ValueError(f"--cpu-bf16-linear {choice} needs a torch build with FBGEMM")
+        if choice == "aten" or self.dtype != torch.bfloat16 or self.device.type != "cpu":
             return
-        kernel = BlockedUpcastLinear()  # one shared scratch buffer: the engine runs one step at a time
+        blocked = BlockedUpcastLinear()  # one shared scratch buffer: the engine runs one step at a time
+        shared = {id(p) for name, p in model.named_parameters() if "embed_tokens" in name}
         for module in model.modules():
-            if isinstance(module, (KernelLinear, ParallelLMHead)):
-                module.kernel = kernel
+            if not isinstance(module, (KernelLinear, ParallelLMHead)):
+                continue
+            if choice.startswith("fbgemm_fp16"):
+                keep_bf16 = choice == "fbgemm_fp16"
+                try:
+                    module.kernel = PackedFp16Linear(module.weight.data, gemv_from_bf16=keep_bf16)
+                except ValueError:
+                    module.kernel = blocked
+                    continue
+                if not keep_bf16 and id(module.weight) not in shared:
+                    # The packed copy replaces the bf16 weight; keep the shape for introspection only.
+                    module.weight = torch.nn.Parameter(torch.empty_like(module.weight, device="meta"), False)
+            else:
+                module.kernel = blocked
         log.info("cpu bf16 linear kernel", kernel=choice)
 
     @staticmethod
     def weight_bytes(model: torch.nn.Module) -> int:
         seen, total = set(), 0
         for tensor in list(model.parameters()) + list(model.buffers()):
-            if id(tensor) not in seen:
+            if id(tensor) not in seen and tensor.device.type != "meta":
                 seen.add(id(tensor))
                 total += tensor.numel() * tensor.element_size()
-        return total
+        # Weights a kernel holds in its own packed form (their parameters were freed).
+        packed = {id(k): k.nbytes for m in model.modules() if hasattr(k := getattr(m, "kernel", None), "nbytes")}
+        return total + sum(packed.values())
 
     def _init_kv_cache(self) -> None:
         cfg = self.config
