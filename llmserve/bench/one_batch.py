@@ -10,11 +10,12 @@ import sys
 import time
 from pathlib import Path
 
-import torch
+from typing import TYPE_CHECKING
 
-from llmserve.bench.driver import StaticBatch, greedy_with_split_prefill
 from worker_svc.cli_args import add_engine_args, engine_config_from_args
-from worker_svc.runner import ModelRunner
+
+if TYPE_CHECKING:  # torch is imported when the command runs, not when the CLI parses arguments
+    from worker_svc.runner import ModelRunner
 
 # The three prompts of sglang's bench_one_batch --correct.
 DEFAULT_PROMPTS = (
@@ -43,6 +44,10 @@ def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") 
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from worker_svc.runner import ModelRunner
+
     if args.threads:
         torch.set_num_threads(args.threads)
     runner = ModelRunner(engine_config_from_args(args))
@@ -61,8 +66,10 @@ def _load_prompts(args: argparse.Namespace) -> list[str]:
 
 
 def correctness(runner: ModelRunner, args: argparse.Namespace) -> int:
+    import torch
     from tokenizers import Tokenizer
 
+    from llmserve.bench.driver import greedy_with_split_prefill
     from llmserve.bench.reference_hf import hf_greedy
 
     tokenizer = Tokenizer.from_file(str(Path(args.model) / "tokenizer.json"))
@@ -101,6 +108,10 @@ def correctness(runner: ModelRunner, args: argparse.Namespace) -> int:
 
 
 def _timed_run(runner: ModelRunner, batch_size: int, input_len: int, output_len: int, quiet: bool) -> dict:
+    import torch
+
+    from llmserve.bench.driver import StaticBatch
+
     generator = torch.Generator().manual_seed(0)
     vocab = runner.config.vocab_size
     prompts = torch.randint(0, vocab, (batch_size, input_len), generator=generator).tolist()

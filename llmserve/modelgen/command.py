@@ -7,7 +7,6 @@ import time
 from typing import Any
 
 from llmserve.modelgen.presets import ARCHS, PLANNED_ARCHS, PRESETS
-from llmserve.modelgen.writer import make_model
 
 
 def _json_object(text: str) -> dict[str, Any]:
@@ -47,6 +46,8 @@ def _run(args: argparse.Namespace) -> int:
         print(f"llmserve make-model: --arch {args.arch} is not supported yet "
               f"(supported: {', '.join(ARCHS)})", file=sys.stderr)
         return 2
+    from llmserve.modelgen.writer import make_model
+
     start = time.perf_counter()
     out = make_model(
         args.out, arch=args.arch, preset=args.preset, seed=args.seed,

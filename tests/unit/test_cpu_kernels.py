@@ -39,3 +39,36 @@ def test_cpu_flag_detection(tmp_path):
     assert not cpu_has_native_bf16(info)
     info.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16\n")
     assert cpu_has_native_bf16(info)
+
+
+fbgemm = pytest.mark.skipif(
+    "fbgemm" not in torch.backends.quantized.supported_engines, reason="torch built without FBGEMM"
+)
+
+
+@fbgemm
+@pytest.mark.parametrize("rows", [1, 3, 16, 64])
+@pytest.mark.parametrize("gemv_from_bf16", [False, True])
+def test_packed_fp16_matches_fp32_reference(rows, gemv_from_bf16):
+    from worker_svc.layers.cpu_kernels import PackedFp16Linear
+
+    gen = torch.Generator().manual_seed(rows)
+    weight = (torch.randn(300, 64, generator=gen) * 0.05).to(torch.bfloat16)
+    bias = torch.randn(300, generator=gen).to(torch.bfloat16)
+    x = torch.randn(2, rows, 64, generator=gen).to(torch.bfloat16)[0]
+    kernel = PackedFp16Linear(weight, gemv_from_bf16=gemv_from_bf16)
+    out = kernel(x, weight, bias)
+    ref = F.linear(x.float(), weight.float(), bias.float())
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, 300)
+    assert torch.allclose(out.float(), ref, rtol=2**-7, atol=1e-2)
+    assert kernel.nbytes == 2 * weight.numel()
+
+
+@fbgemm
+def test_packed_fp16_rejects_weights_beyond_fp16_range():
+    from worker_svc.layers.cpu_kernels import PackedFp16Linear
+
+    weight = torch.ones(4, 8, dtype=torch.bfloat16)
+    weight[0, 0] = 70000.0
+    with pytest.raises(ValueError, match="fp16 range"):
+        PackedFp16Linear(weight)

@@ -97,10 +97,14 @@ def test_retraction_under_memory_pressure_matches_hf(case):
 
 
 @pytest.mark.parametrize("preset", ["tiny", "small"])
-def test_bf16_logits_close_to_hf_fp32(model_factory, preset):
+@pytest.mark.parametrize("kernel", ["auto", "aten", "fbgemm_fp16_lowmem", "blocked_upcast"])
+def test_bf16_logits_close_to_hf_fp32(model_factory, preset, kernel):
+    if kernel.startswith("fbgemm") and "fbgemm" not in torch.backends.quantized.supported_engines:
+        pytest.skip("torch built without FBGEMM")
     model_dir = model_factory(preset)
     prompts = encode_prompts(model_dir)
     ref_logits, _ = hf_reference(model_dir, prompts, OUTPUT_LEN)
-    logits, _ = greedy_with_split_prefill(_runner(model_dir, dtype="bfloat16"), prompts, 1, cut_len=3)
+    runner = _runner(model_dir, dtype="bfloat16", cpu_bf16_linear=kernel)
+    logits, _ = greedy_with_split_prefill(runner, prompts, 1, cut_len=3)
     cosine = torch.nn.functional.cosine_similarity(logits, ref_logits, dim=-1)
     assert cosine.min().item() >= 0.999, cosine

@@ -1,0 +1,1 @@
+"""Generated from protos/llmserve/v1/*.proto by `llmserve gen-protos`. Do not edit."""

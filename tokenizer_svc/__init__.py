@@ -1,0 +1,1 @@
+"""The tokenizer service: encode / chat-encode / decode / streaming detokenization over gRPC."""

@@ -1,0 +1,189 @@
+"""gRPC server for llmserve.v1.Tokenizer (grpc.aio), with grpc.health.v1 and server reflection.
+
+Stateless apart from the open DetokenizeStream calls, each of which keeps one
+IncrementalDetokenizer per live sequence_id. Bad input is INVALID_ARGUMENT with the field named;
+Encode of a chat on a model without a chat template is FAILED_PRECONDITION.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from llmserve.logging import get_logger, request_context
+from llmserve.v1 import tokenizer_pb2 as pb
+from llmserve.v1 import tokenizer_pb2_grpc as pb_grpc
+from tokenizer_svc.detokenizer import IncrementalDetokenizer
+from tokenizer_svc.tokenizer import ChatMessage, ModelTokenizer, NoChatTemplateError, TokenizerInputError
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Tokenizer"].full_name
+# Texts longer than this are encoded on a worker thread so one huge prompt does not stall the
+# event loop (health checks, other calls); short ones are cheaper inline.
+_INLINE_ENCODE_CHARS = 16_384
+# Bound the per-call state a client can pin: one detokenizer per live sequence.
+MAX_STREAM_SEQUENCES = 4096
+
+log = get_logger(__name__)
+HealthServicer = health.aio.HealthServicer
+
+
+def _request_id(context: grpc.aio.ServicerContext) -> str:
+    for key, value in context.invocation_metadata() or ():
+        if key == "x-request-id":
+            return value if isinstance(value, str) else value.decode(errors="replace")
+    return ""
+
+
+async def _abort_invalid(context: grpc.aio.ServicerContext, error: TokenizerInputError) -> None:
+    code = (grpc.StatusCode.FAILED_PRECONDITION if isinstance(error, NoChatTemplateError)
+            else grpc.StatusCode.INVALID_ARGUMENT)
+    log.info("rejected", rpc_error=str(error), code=code.name)
+    await context.abort(code, str(error))
+
+
+class TokenizerServicer(pb_grpc.TokenizerServicer):
+    def __init__(self, tokenizer: ModelTokenizer):
+        self.tok = tokenizer
+
+    def _encode(self, request: pb.EncodeRequest) -> pb.EncodeResponse:
+        which = request.WhichOneof("input")
+        if which == "text":
+            add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
+            return pb.EncodeResponse(token_ids=self.tok.encode(request.text, add_special),
+                                     prompt_text=request.text)
+        if which == "chat":
+            messages = []
+            for i, m in enumerate(request.chat.messages):
+                if not m.role:
+                    raise TokenizerInputError(f"chat.messages[{i}].role", "must not be empty")
+                messages.append(ChatMessage(m.role, m.content))
+            ids, text = self.tok.encode_chat(messages, request.chat.add_generation_prompt)
+            return pb.EncodeResponse(token_ids=ids, prompt_text=text)
+        raise TokenizerInputError("input", "set exactly one of `text` or `chat`")
+
+    async def Encode(self, request: pb.EncodeRequest, context: grpc.aio.ServicerContext) -> pb.EncodeResponse:
+        with request_context(_request_id(context), rpc="Encode"):
+            try:
+                size = len(request.text) + sum(len(m.content) for m in request.chat.messages)
+                if size > _INLINE_ENCODE_CHARS:
+                    response = await asyncio.to_thread(self._encode, request)
+                else:
+                    response = self._encode(request)
+            except TokenizerInputError as e:
+                await _abort_invalid(context, e)
+            log.debug("encoded", input=request.WhichOneof("input"), num_tokens=len(response.token_ids))
+            return response
+
+    async def Decode(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext) -> pb.DecodeResponse:
+        with request_context(_request_id(context), rpc="Decode"):
+            try:
+                self.tok.check_ids(request.token_ids, "token_ids")
+            except TokenizerInputError as e:
+                await _abort_invalid(context, e)
+            return pb.DecodeResponse(text=self.tok.decode(request.token_ids, request.skip_special_tokens))
+
+    async def DetokenizeStream(
+        self, request_iterator: AsyncIterator[pb.DetokenizeStreamRequest], context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[pb.DetokenizeStreamResponse]:
+        with request_context(_request_id(context), rpc="DetokenizeStream"):
+            live: dict[int, IncrementalDetokenizer] = {}
+            async for req in request_iterator:
+                sid = req.sequence_id
+                try:
+                    self.tok.check_ids(req.token_ids, f"token_ids (sequence_id {sid})")
+                    det = live.get(sid)
+                    if det is None:
+                        self.tok.check_ids(req.context_token_ids, f"context_token_ids (sequence_id {sid})")
+                        if len(live) >= MAX_STREAM_SEQUENCES:
+                            raise TokenizerInputError(
+                                "sequence_id", f"more than {MAX_STREAM_SEQUENCES} open sequences on one call; "
+                                "close some with final = true")
+                        det = live[sid] = IncrementalDetokenizer(
+                            self.tok.decode, req.skip_special_tokens, req.context_token_ids)
+                except TokenizerInputError as e:
+                    await _abort_invalid(context, e)
+                text = det.push(req.token_ids)
+                if req.final:
+                    text += det.flush()
+                    del live[sid]
+                yield pb.DetokenizeStreamResponse(sequence_id=sid, text=text, final=req.final,
+                                                  num_tokens=det.num_tokens)
+            if live:
+                log.debug("stream closed with open sequences", open=len(live))
+
+    async def GetInfo(self, request: pb.GetInfoRequest, context: grpc.aio.ServicerContext) -> pb.GetInfoResponse:
+        tok = self.tok
+        return pb.GetInfoResponse(
+            vocab_size=tok.vocab_size,
+            bos_token_id=tok.bos_token_id,
+            eos_token_ids=tok.eos_token_ids,
+            bos_token=tok.bos_token or "",
+            eos_token=tok.eos_token or "",
+            special_tokens=[pb.SpecialToken(id=i, content=c) for i, c in tok.special_tokens.items()],
+            has_chat_template=tok.has_chat_template,
+            chat_template=tok.chat_template_source or "",
+            model_max_length=tok.model_max_length,
+        )
+
+
+@dataclass
+class RunningServer:
+    server: grpc.aio.Server
+    port: int
+    health: HealthServicer
+
+    async def stop(self, grace: float | None = 5.0) -> None:
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace)
+
+
+def _address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+async def start_server(model: str | Path | ModelTokenizer, host: str = "127.0.0.1", port: int = 0) -> RunningServer:
+    """Start serving on host:port (port 0 picks a free one); return the server and its bound port."""
+    tokenizer = model if isinstance(model, ModelTokenizer) else ModelTokenizer.from_dir(model)
+    server = grpc.aio.server()
+    pb_grpc.add_TokenizerServicer_to_server(TokenizerServicer(tokenizer), server)
+    health_servicer = HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((SERVICE_NAME, "grpc.health.v1.Health", reflection.SERVICE_NAME), server)
+    bound = server.add_insecure_port(_address(host, port))
+    if bound == 0:
+        raise OSError(f"cannot listen on {_address(host, port)}")
+    await server.start()
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return RunningServer(server, bound, health_servicer)
+
+
+async def _serve(model_dir: str | Path, host: str, port: int, port_file: str | Path | None) -> int:
+    running = await start_server(model_dir, host, port)
+    log.info("tokenizer service listening", address=_address(host, running.port), model=str(model_dir))
+    if port_file is not None:
+        tmp = Path(f"{port_file}.tmp")
+        tmp.write_text(f"{running.port}\n")
+        os.replace(tmp, port_file)  # readers never see a half-written file
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("tokenizer service stopping")
+    await running.stop()
+    return 0
+
+
+def serve(model_dir: str | Path, host: str = "127.0.0.1", port: int = 0,
+          port_file: str | Path | None = None) -> int:
+    """Serve until SIGINT or SIGTERM, then stop gracefully and return 0."""
+    return asyncio.run(_serve(model_dir, host, port, port_file))
