@@ -3,13 +3,22 @@
 import argparse
 from collections.abc import Callable, Sequence
 
+from llmserve import protos_gen as gen_protos_command
+from llmserve import worker_command
 from llmserve.bench import one_batch as bench_one_batch_command
 from llmserve.modelgen import command as make_model_command
+from tokenizer_svc import command as tokenizer_command
 
 # Each entry adds one subparser and sets `func(args) -> int` as its default. New subcommands
 # (serve, worker, bench-one-batch, ...) append their module's register here.
 Register = Callable[["argparse._SubParsersAction[argparse.ArgumentParser]"], None]
-SUBCOMMANDS: tuple[Register, ...] = (make_model_command.register, bench_one_batch_command.register)
+SUBCOMMANDS: tuple[Register, ...] = (
+    make_model_command.register,
+    bench_one_batch_command.register,
+    gen_protos_command.register,
+    tokenizer_command.register,
+    worker_command.register,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -281,7 +282,10 @@ class Scheduler:
         if sample.top_logprobs is not None:
             top = (sample.top_logprobs[0].tolist(), sample.top_logprobs[1].tolist())
         outputs = []
+        now = time.monotonic()
         for i, (req, token) in enumerate(zip(reqs, tokens)):
+            if req.first_token_time is None:
+                req.first_token_time = now
             req.output_ids.append(token)
             new_lp: list[float] = []
             new_top: list[list[tuple[int, float]]] = []

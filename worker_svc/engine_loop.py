@@ -1,0 +1,262 @@
+"""The engine loop: one thread owns the Engine and drives ``scheduler.step()``.
+
+Other threads (the gRPC server's event loop) only ``submit`` and ``abort``; every ``StepOutput`` is
+handed to the sink registered for its request, on the engine thread, so a sink must be cheap and
+thread-safe (the server's sinks do ``loop.call_soon_threadsafe(queue.put_nowait, ...)``).
+
+The thread sleeps on a condition variable while the scheduler has nothing to do: no busy spin.
+If ``step()`` raises, the engine is in an unknown state: every in-flight request gets an
+:class:`EngineUnavailable` in its sink, the loop stops for good and the failure callbacks run (the
+server turns its health to NOT_SERVING). A tensor-parallel leader later wraps the same object.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import structlog
+
+from worker_svc.engine import Engine
+from worker_svc.request import Request, StepOutput
+from worker_svc.sampling import SamplingParams
+
+log = structlog.get_logger(__name__)
+
+# What the engine thread hands to a request's sink: a step's output, or the reason the request can
+# no longer be served.
+Sink = Callable[["StepOutput | EngineUnavailable"], None]
+
+_THROUGHPUT_WINDOW_S = 10.0
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine cannot take or finish requests: stopped, stopping or failed (gRPC UNAVAILABLE)."""
+
+
+class LoopState(enum.Enum):
+    CREATED = "created"
+    RUNNING = "running"
+    STOPPING = "stopping"  # no new requests; in-flight ones finish or are aborted
+    STOPPED = "stopped"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class LoadSnapshot:
+    """The engine's load as of its last step (exact while idle)."""
+
+    running: int
+    waiting: int
+    in_flight: int  # requests submitted and not yet finished, including ones not yet scheduled
+    waiting_prompt_tokens: int
+    used_tokens: int
+    free_tokens: int
+    total_tokens: int
+    max_running_requests: int
+    gen_throughput: float  # generated tokens per second over the last few seconds
+    retracted_waiting: int  # waiting requests that were retracted and await recompute
+
+    @property
+    def token_usage(self) -> float:
+        return self.used_tokens / self.total_tokens if self.total_tokens else 0.0
+
+
+class EngineLoop:
+    def __init__(self, engine: Engine, name: str = "engine-loop") -> None:
+        self.engine = engine
+        self.scheduler = engine.scheduler
+        self._cv = threading.Condition()
+        self._sinks: dict[str, Sink] = {}
+        self._state = LoopState.CREATED
+        self._stop_requested = False
+        self._failure_callbacks: list[Callable[[BaseException], None]] = []
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._generated: deque[tuple[float, int]] = deque()
+        self.step_count = 0
+        self.step_started_at: float | None = None  # monotonic; set while a step runs
+        self.last_step_end: float | None = None
+        self._load = self._snapshot()
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        with self._cv:
+            if self._state is not LoopState.CREATED:
+                raise RuntimeError(f"engine loop already {self._state.value}")
+            self._state = LoopState.RUNNING
+        self._thread.start()
+        log.info("engine loop started")
+
+    @property
+    def state(self) -> LoopState:
+        return self._state
+
+    @property
+    def healthy(self) -> bool:
+        return self._state is LoopState.RUNNING and self._thread.is_alive()
+
+    def on_failure(self, callback: Callable[[BaseException], None]) -> None:
+        """Run ``callback(exc)`` (on the engine thread) if a step raises."""
+        self._failure_callbacks.append(callback)
+
+    def close_admission(self) -> None:
+        """Refuse new requests from now on; in-flight ones carry on."""
+        with self._cv:
+            if self._state is LoopState.RUNNING:
+                self._state = LoopState.STOPPING
+
+    def stop(self, abort_in_flight: bool = True, timeout: float | None = 30.0) -> bool:
+        """Stop accepting, abort (or let finish) what is in flight, and join the thread.
+
+        Returns True when the thread has exited."""
+        self.close_admission()
+        with self._cv:
+            if abort_in_flight:
+                for rid in list(self._sinks):
+                    self.scheduler.abort(rid)
+            self._stop_requested = True
+            self._cv.notify_all()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        alive = self._thread.is_alive()
+        if not alive and self._state is LoopState.STOPPING:
+            self._state = LoopState.STOPPED
+        log.info("engine loop stopped" if not alive else "engine loop did not stop in time", timeout=timeout)
+        return not alive
+
+    # ---- API for other threads -------------------------------------------------------------------
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise RequestError (naming the field) if the engine can never serve this request."""
+        self.scheduler.validate(prompt_ids, params)
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, rid: str, sink: Sink) -> Request:
+        """Queue a request; its outputs go to ``sink`` on the engine thread.
+
+        Raises RequestError for a request the engine can never serve and EngineUnavailable when the
+        loop does not take requests (stopping, stopped or failed)."""
+        request = self.engine.new_request(prompt_ids, params, rid)
+        with self._cv:
+            if self._state is not LoopState.RUNNING:
+                raise EngineUnavailable(f"engine is {self._state.value}")
+            if rid in self._sinks:
+                raise ValueError(f"request id {rid!r} is already in flight")
+            self.scheduler.submit(request)  # validates; raises RequestError
+            self._sinks[rid] = sink
+            self._cv.notify()
+        return request
+
+    def abort(self, rid: str) -> bool:
+        """Ask the engine to abort ``rid``; its sink then gets a finished output (reason abort).
+        Returns False when no such request is in flight."""
+        with self._cv:
+            if rid not in self._sinks:
+                return False
+            self.scheduler.abort(rid)
+            self._cv.notify()
+        return True
+
+    def in_flight(self) -> list[str]:
+        with self._cv:
+            return list(self._sinks)
+
+    def load(self) -> LoadSnapshot:
+        with self._cv:
+            snap, in_flight = self._load, len(self._sinks)
+            throughput = self._throughput(time.monotonic())
+        return dataclasses.replace(snap, in_flight=in_flight, gen_throughput=throughput)
+
+    def busy(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---- the engine thread -----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cv:
+                    while not self.scheduler.has_work() and not self._stop_requested:
+                        self._cv.wait()
+                    if not self.scheduler.has_work():
+                        break  # stop requested and nothing left
+                self.step_started_at = time.monotonic()
+                outputs = self.scheduler.step()
+                self.last_step_end = time.monotonic()
+                self.step_started_at = None
+                self.step_count += 1
+                self._dispatch(outputs)
+        except BaseException as exc:  # noqa: BLE001 - any escape leaves the engine in an unknown state
+            self.step_started_at = None
+            self._fail(exc)
+            return
+        with self._cv:
+            self._state = LoopState.STOPPED
+            leftover, self._sinks = self._sinks, {}
+        for rid, sink in leftover.items():  # cannot happen while the scheduler drains; be safe
+            self._deliver(rid, sink, EngineUnavailable("engine stopped"))
+
+    def _dispatch(self, outputs: list[StepOutput]) -> None:
+        generated = sum(len(out.new_token_ids) for out in outputs)
+        deliveries = []
+        with self._cv:
+            if generated:
+                self._generated.append((time.monotonic(), generated))
+            for out in outputs:
+                sink = self._sinks.pop(out.rid, None) if out.finished else self._sinks.get(out.rid)
+                if sink is not None:
+                    deliveries.append((out.rid, sink, out))
+            self._load = self._snapshot()
+        for rid, sink, out in deliveries:
+            self._deliver(rid, sink, out)
+
+    @staticmethod
+    def _deliver(rid: str, sink: Sink, item: StepOutput | EngineUnavailable) -> None:
+        try:
+            sink(item)
+        except Exception:  # noqa: BLE001 - a broken consumer must not take the engine down
+            log.exception("request output sink failed", rid=rid)
+
+    def _fail(self, exc: BaseException) -> None:
+        log.error("engine step failed; failing in-flight requests", error=repr(exc), exc_info=exc)
+        with self._cv:
+            self.error = exc
+            self._state = LoopState.FAILED
+            failed, self._sinks = self._sinks, {}
+        for rid, sink in failed.items():
+            self._deliver(rid, sink, EngineUnavailable(f"engine failed: {exc!r}"))
+        for callback in self._failure_callbacks:
+            try:
+                callback(exc)
+            except Exception:  # noqa: BLE001
+                log.exception("engine failure callback failed")
+
+    def _throughput(self, now: float) -> float:
+        """Generated tokens per second over the last few seconds (call with ``_cv`` held)."""
+        while self._generated and now - self._generated[0][0] > _THROUGHPUT_WINDOW_S:
+            self._generated.popleft()
+        if not self._generated:
+            return 0.0
+        return sum(n for _, n in self._generated) / max(now - self._generated[0][0], 1.0)
+
+    def _snapshot(self) -> LoadSnapshot:
+        sched = self.scheduler
+        load = sched.load()
+        return LoadSnapshot(
+            running=load.running,
+            waiting=load.waiting,
+            in_flight=len(self._sinks),
+            waiting_prompt_tokens=sum(len(r.prompt_ids) for r in sched.waiting),
+            used_tokens=load.used_tokens,
+            free_tokens=load.free_tokens,
+            total_tokens=load.total_tokens,
+            max_running_requests=sched.engine.max_running_requests,
+            gen_throughput=0.0,  # computed when read
+            retracted_waiting=sum(1 for r in sched.waiting if r.num_retractions),
+        )

@@ -1,0 +1,573 @@
+"""The model worker's gRPC server: ``sglang.grpc.scheduler.SglangScheduler`` plus ``grpc.health.v1``.
+
+A thin servicer on grpc.aio. Each Generate call converts its request (grpc_convert.py), submits one
+engine request per sample to the :class:`~worker_svc.engine_loop.EngineLoop` and relays the step
+outputs that the engine thread pushes onto the call's asyncio queue. When the call ends for any
+reason (client cancel, deadline, the consumer going away, an error) every engine request it still
+has in flight is aborted, so KV slots are freed.
+
+Status codes: INVALID_ARGUMENT for parameters that can never be served (the message starts with the
+field's name), RESOURCE_EXHAUSTED for a prompt that can never fit, UNAVAILABLE when the engine is
+stopping or has failed, INTERNAL when a request's forward step failed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.metadata
+import itertools
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+from google.protobuf import json_format
+import structlog
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from smg_grpc_proto import sglang_scheduler_pb2 as pb
+from smg_grpc_proto import sglang_scheduler_pb2_grpc as pb_grpc
+from smg_grpc_proto.generated import common_pb2
+
+from worker_svc import grpc_convert
+from worker_svc.engine import Engine
+from worker_svc.engine_loop import EngineLoop, EngineUnavailable, LoopState
+from worker_svc.request import RequestError, StepOutput
+from worker_svc.sampling import SamplingParams
+
+log = structlog.get_logger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["SglangScheduler"].full_name
+_SERVING = health_pb2.HealthCheckResponse.SERVING
+_NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+_GIB = float(1 << 30)
+
+
+def _version() -> str:
+    try:
+        return f"llmserve-{importlib.metadata.version('llmserve')}"
+    except importlib.metadata.PackageNotFoundError:
+        return "llmserve-unknown"
+
+
+VERSION = _version()
+
+
+@dataclass(frozen=True)
+class WorkerOptions:
+    served_model_name: str = ""
+    # GetModelInfo's model_path/tokenizer_path. Empty by default: a gateway that gets a path it
+    # cannot open on its own host tries to fetch it from a model hub (DESIGN.md section 2).
+    advertised_model_path: str = ""
+    health_probe_timeout_s: float = 20.0
+    # A single step running longer than this makes the worker unhealthy.
+    step_stall_timeout_s: float = 120.0
+
+
+def _metadata(context: grpc.aio.ServicerContext, key: str) -> str | None:
+    for k, v in context.invocation_metadata() or ():
+        if k == key:
+            return v if isinstance(v, str) else v.decode()
+    return None
+
+
+def _sink(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, tag: Any) -> Callable[[Any], None]:
+    """A sink for the engine thread: hands (tag, item) to ``queue`` on the server's event loop."""
+
+    def put(item: Any) -> None:
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, (tag, item))
+        except RuntimeError:  # the event loop is closed: the call is long gone
+            pass
+
+    return put
+
+
+class WorkerHealth(health_aio.HealthServicer):
+    """grpc.health.v1 whose answer is refreshed from the engine's liveness on every Check."""
+
+    def __init__(self, liveness: Callable[[], tuple[bool, str]]) -> None:
+        super().__init__()
+        self._liveness = liveness
+
+    async def set_all(self, status: int) -> None:
+        for service in ("", SERVICE_NAME):
+            await self.set(service, status)
+
+    async def Check(self, request, context):  # noqa: N802 - gRPC method name
+        ok, _ = self._liveness()
+        await self.set_all(_SERVING if ok else _NOT_SERVING)
+        return await super().Check(request, context)
+
+
+class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
+    def __init__(self, loop: EngineLoop, options: WorkerOptions) -> None:
+        self.loop = loop
+        self.options = options
+        self.engine = loop.engine
+        self.runner = loop.engine.runner
+        self.model_config = self.runner.config
+        self.max_seq_len = min(self.runner.context_len, self.runner.allocator.size)
+        self.start_time = time.time()
+        self._start_mono = time.monotonic()
+        self.last_receive_time = 0.0
+        # request_id (as clients name it) -> engine request ids of its samples still in flight
+        self._by_request_id: dict[str, set[str]] = {}
+        self._active_rids: set[str] = set()
+        self._rid_counter = itertools.count(1)
+        self._probe: asyncio.Future | None = None
+        self._tokenizer_bundle: tuple[bytes, str] | None = None
+
+    # ---- health ----------------------------------------------------------------------------------
+
+    def liveness(self) -> tuple[bool, str]:
+        """Cheap check: the engine thread runs and no step is stuck."""
+        loop = self.loop
+        if not loop.healthy:
+            detail = f": {loop.error!r}" if loop.error is not None else ""
+            return False, f"engine loop is {loop.state.value}{detail}"
+        started = loop.step_started_at
+        if started is not None and time.monotonic() - started > self.options.step_stall_timeout_s:
+            return False, f"engine step has been running for {time.monotonic() - started:.0f}s"
+        return True, "ok"
+
+    async def check_health(self) -> tuple[bool, str]:
+        """Liveness, then (when idle) a one-token generation through the whole engine."""
+        ok, message = self.liveness()
+        if not ok:
+            return ok, message
+        if self.loop.busy():
+            return True, "ok (busy)"
+        if self._probe is None or self._probe.done():
+            self._probe = asyncio.ensure_future(self._run_probe())
+        return await asyncio.shield(self._probe)
+
+    async def _run_probe(self) -> tuple[bool, str]:
+        aio_loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        rid = f"health-probe-{next(self._rid_counter)}"
+        token = self.model_config.bos_token_id or 0
+        params = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
+        try:
+            self.loop.submit([token], params, rid, _sink(aio_loop, queue, None))
+        except (EngineUnavailable, RequestError) as exc:
+            return False, f"health probe not accepted: {exc}"
+        deadline = aio_loop.time() + self.options.health_probe_timeout_s
+        try:
+            while True:
+                _, item = await asyncio.wait_for(queue.get(), max(0.0, deadline - aio_loop.time()))
+                if isinstance(item, EngineUnavailable):
+                    return False, str(item)
+                if item.finished:
+                    if item.error:
+                        return False, f"health probe failed: {item.error}"
+                    return True, "ok"
+        except asyncio.TimeoutError:
+            self.loop.abort(rid)
+            return False, f"health probe got no token within {self.options.health_probe_timeout_s:.0f}s"
+
+    async def HealthCheck(self, request, context):  # noqa: N802
+        healthy, message = await self.check_health()
+        if not healthy:
+            log.warning("health check failed", reason=message)
+        return pb.HealthCheckResponse(healthy=healthy, message=message)
+
+    # ---- generate --------------------------------------------------------------------------------
+
+    def _engine_rid(self, request_id: str, index: int, n: int) -> str:
+        rid = request_id if n == 1 else f"{request_id}-n{index}"
+        while rid in self._active_rids:  # a client reused an id that is still in flight
+            rid = f"{request_id}-n{index}~{next(self._rid_counter)}"
+        return rid
+
+    async def Generate(self, request: pb.GenerateRequest, context) -> AsyncIterator[pb.GenerateResponse]:  # noqa: N802
+        header_id = _metadata(context, "x-request-id")
+        request_id = request.request_id or header_id or f"gen-{uuid.uuid4().hex}"
+        # Each RPC runs in its own asyncio task, so these bindings stay with this call.
+        structlog.contextvars.clear_contextvars()
+        structlog.contextvars.bind_contextvars(request_id=request_id)
+        if header_id and header_id != request_id:
+            structlog.contextvars.bind_contextvars(x_request_id=header_id)
+        self.last_receive_time = time.time()
+        received = time.monotonic()
+        log.debug(
+            "generate request",
+            sampling_params=json_format.MessageToDict(request.sampling_params, preserving_proto_field_name=True),
+            return_logprob=request.return_logprob,
+            top_logprobs_num=request.top_logprobs_num,
+            stream=request.stream,
+        )
+
+        ok, reason = self.liveness()
+        if not ok or self.loop.state is not LoopState.RUNNING:
+            why = reason if not ok else "shutting down"
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"worker is not serving: {why}")
+        try:
+            spec = grpc_convert.generate_spec(
+                request, max_seq_len=self.max_seq_len, max_n=self.engine.config.max_running_requests
+            )
+            self.loop.validate(spec.prompt_ids, spec.params[0])
+        except RequestError as exc:
+            code = grpc.StatusCode.RESOURCE_EXHAUSTED if exc.resource else grpc.StatusCode.INVALID_ARGUMENT
+            message = grpc_convert.error_message(exc)
+            log.info("request rejected", code=code.name, field=exc.field, error=message)
+            await context.abort(code, message)
+
+        aio_loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        states: list[grpc_convert.SampleState] = []
+        rids = self._by_request_id.setdefault(request_id, set())
+
+        def abort_unfinished(*_: Any) -> None:
+            for st in states:
+                if not st.finished and self.loop.abort(st.rid):
+                    log.info("aborting engine request: call ended early", rid=st.rid)
+
+        try:
+            for index, params in enumerate(spec.params):
+                rid = self._engine_rid(request_id, index, spec.n)
+                self.loop.submit(spec.prompt_ids, params, rid, _sink(aio_loop, queue, index))
+                states.append(grpc_convert.SampleState(index=index, rid=rid))
+                rids.add(rid)
+                self._active_rids.add(rid)
+        except (RequestError, EngineUnavailable) as exc:
+            abort_unfinished()
+            self._forget(request_id, states)
+            if isinstance(exc, RequestError):
+                code = grpc.StatusCode.RESOURCE_EXHAUSTED if exc.resource else grpc.StatusCode.INVALID_ARGUMENT
+                await context.abort(code, grpc_convert.error_message(exc))
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        log.info(
+            "generate accepted",
+            prompt_tokens=len(spec.prompt_ids),
+            n=spec.n,
+            stream=spec.stream,
+            max_new_tokens=spec.params[0].max_new_tokens,
+            temperature=spec.params[0].temperature,
+            return_logprob=spec.params[0].return_logprob,
+        )
+        # Belt and braces: the finally below covers cancellation inside this coroutine; the done
+        # callback covers a consumer that stops iterating while we sit at a yield.
+        context.add_done_callback(abort_unfinished)
+        with_logprobs = spec.params[0].return_logprob
+        remaining = spec.n
+        first_token_at: float | None = None
+        try:
+            while remaining:
+                index, item = await queue.get()
+                if isinstance(item, EngineUnavailable):
+                    log.error("request failed: engine unavailable", error=str(item))
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, str(item))
+                out: StepOutput = item
+                state = states[index]
+                state.add(out)
+                if out.error:
+                    log.error("request failed", rid=state.rid, error=out.error)
+                    await context.abort(grpc.StatusCode.INTERNAL, out.error)
+                if out.new_token_ids and first_token_at is None:
+                    first_token_at = time.monotonic()
+                    log.debug("first token", ttft_s=round(first_token_at - received, 4))
+                if spec.stream and out.new_token_ids:
+                    yield grpc_convert.chunk_response(request_id, index, out, with_logprobs)
+                if out.finished:
+                    remaining -= 1
+                    self._active_rids.discard(state.rid)
+                    rids.discard(state.rid)
+                    log.info(
+                        "generate finished",
+                        index=index,
+                        finish_reason=out.finish_reason.value,
+                        matched_stop=out.matched_stop,
+                        prompt_tokens=out.prompt_tokens,
+                        completion_tokens=out.completion_tokens,
+                        duration_s=round(time.monotonic() - received, 4),
+                        ttft_s=round(first_token_at - received, 4) if first_token_at else None,
+                    )
+                    yield grpc_convert.complete_response(request_id, state, with_logprobs)
+        except asyncio.CancelledError:
+            log.info("generate cancelled by the client or its deadline")
+            raise
+        finally:
+            abort_unfinished()
+            self._forget(request_id, states)
+
+    def _forget(self, request_id: str, states: list[grpc_convert.SampleState]) -> None:
+        rids = self._by_request_id.get(request_id)
+        for st in states:
+            self._active_rids.discard(st.rid)
+            if rids is not None:
+                rids.discard(st.rid)
+        if rids is not None and not rids:
+            self._by_request_id.pop(request_id, None)
+
+    async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:  # noqa: N802
+        request_id = request.request_id
+        structlog.contextvars.clear_contextvars()
+        structlog.contextvars.bind_contextvars(request_id=request_id)
+        targets = set(self._by_request_id.get(request_id, ()))
+        if request_id in self._active_rids:  # an engine id (one sample of an n > 1 request)
+            targets.add(request_id)
+        aborted = sorted(rid for rid in targets if self.loop.abort(rid))
+        log.info("abort", reason=request.reason or None, aborted=len(aborted))
+        if not aborted:
+            return pb.AbortResponse(success=False, message=f"no request {request_id!r} in flight")
+        return pb.AbortResponse(success=True, message=f"aborted {len(aborted)} engine request(s)")
+
+    # ---- info ------------------------------------------------------------------------------------
+
+    async def GetModelInfo(self, request, context) -> pb.GetModelInfoResponse:  # noqa: N802
+        cfg = self.model_config
+        return pb.GetModelInfoResponse(
+            model_path=self.options.advertised_model_path,
+            tokenizer_path=self.options.advertised_model_path,
+            is_generation=True,
+            preferred_sampling_params="",
+            weight_version="default",
+            served_model_name=self.options.served_model_name,
+            max_context_length=self.runner.context_len,
+            vocab_size=cfg.vocab_size,
+            supports_vision=False,
+            model_type=cfg.model_type,
+            eos_token_ids=list(cfg.eos_token_ids),
+            pad_token_id=int(cfg.raw.get("pad_token_id") or 0),
+            bos_token_id=int(cfg.bos_token_id or 0),
+            max_req_input_len=self.max_seq_len - 1,
+            architectures=list(cfg.raw.get("architectures") or [cfg.architecture]),
+        )
+
+    def server_args(self) -> dict[str, Any]:
+        args = asdict(self.engine.config)
+        # The path is this host's; a gateway reads server_args too (its worker labels), so it is
+        # only reported when asked for, as in GetModelInfo.
+        args["model_path"] = self.options.advertised_model_path
+        args.update(
+            served_model_name=self.options.served_model_name,
+            tp_size=1,
+            dp_size=1,
+            pp_size=1,
+            page_size=1,
+            context_length=self.runner.context_len,
+        )
+        return args
+
+    def scheduler_info(self) -> dict[str, Any]:
+        runner = self.runner
+        weight_bytes = getattr(runner, "weight_nbytes", None)
+        if weight_bytes is None:
+            weight_bytes = runner.weight_bytes(runner.model)
+        return {
+            "max_total_num_tokens": runner.allocator.size,
+            "max_running_requests": self.engine.config.max_running_requests,
+            "max_req_input_len": self.max_seq_len - 1,
+            "context_length": runner.context_len,
+            "chunked_prefill_size": self.engine.config.chunked_prefill_size,
+            "max_prefill_tokens": self.engine.config.max_prefill_tokens,
+            "kv_bytes_per_token": runner.kv_bytes_per_token,
+            "kv_cache_bytes": runner.kv_pool.nbytes(),
+            "weight_bytes": weight_bytes,
+            "dtype": str(runner.dtype).removeprefix("torch."),
+            "device": str(runner.device),
+            "architecture": self.model_config.architecture,
+            "tp_size": 1,
+            "page_size": 1,
+        }
+
+    async def GetServerInfo(self, request, context) -> pb.GetServerInfoResponse:  # noqa: N802
+        return pb.GetServerInfoResponse(
+            server_args=grpc_convert.to_struct(self.server_args()),
+            scheduler_info=grpc_convert.to_struct(self.scheduler_info()),
+            active_requests=self.loop.load().in_flight,
+            is_paused=False,
+            last_receive_timestamp=self.last_receive_time,
+            uptime_seconds=time.monotonic() - self._start_mono,
+            sglang_version=VERSION,
+            server_type="grpc",
+            start_time=grpc_convert.timestamp(self.start_time),
+            max_total_num_tokens=self.runner.allocator.size,
+        )
+
+    async def GetLoads(self, request: pb.GetLoadsRequest, context) -> pb.GetLoadsResponse:  # noqa: N802
+        snap = self.loop.load()
+        include = set(request.include) or {"core"}
+        every = "all" in include
+        load = pb.SchedulerLoad(
+            dp_rank=0,
+            num_running_reqs=snap.running,
+            num_waiting_reqs=snap.waiting,
+            num_total_reqs=max(snap.in_flight, snap.running + snap.waiting),
+            num_used_tokens=snap.used_tokens,
+            max_total_num_tokens=snap.total_tokens,
+            token_usage=snap.token_usage,
+            gen_throughput=snap.gen_throughput,
+            cache_hit_rate=0.0,
+            utilization=snap.running / snap.max_running_requests if snap.max_running_requests else 0.0,
+            max_running_requests=snap.max_running_requests,
+            num_waiting_uncached_tokens=snap.waiting_prompt_tokens,
+        )
+        if every or "memory" in include:
+            info = self.scheduler_info()
+            load.memory.CopyFrom(
+                pb.MemoryMetrics(
+                    weight_gb=info["weight_bytes"] / _GIB,
+                    kv_cache_gb=info["kv_cache_bytes"] / _GIB,
+                    graph_gb=0.0,
+                    token_capacity=snap.total_tokens,
+                )
+            )
+        if every or "queues" in include:
+            load.queues.CopyFrom(pb.QueueMetrics(waiting=snap.waiting, retracted=snap.retracted_waiting))
+        loads = [load] if not request.HasField("dp_rank") or request.dp_rank == 0 else []
+        return pb.GetLoadsResponse(
+            timestamp=grpc_convert.iso_now(),
+            version=VERSION,
+            dp_rank_count=1,
+            loads=loads,
+            aggregate=pb.AggregateMetrics(
+                total_running_reqs=snap.running,
+                total_waiting_reqs=snap.waiting,
+                total_reqs=load.num_total_reqs,
+                avg_token_usage=snap.token_usage,
+                avg_throughput=snap.gen_throughput,
+                avg_utilization=load.utilization,
+            ),
+        )
+
+    async def GetTokenizer(self, request, context) -> AsyncIterator[common_pb2.GetTokenizerChunk]:  # noqa: N802
+        if self._tokenizer_bundle is None:
+            model_dir = self.engine.config.model_path
+            self._tokenizer_bundle = await asyncio.to_thread(grpc_convert.tokenizer_bundle, model_dir)
+        data, sha256 = self._tokenizer_bundle
+        log.info("sending tokenizer bundle", bytes=len(data), sha256=sha256)
+        for chunk in grpc_convert.tokenizer_chunks(data, sha256):
+            yield chunk
+
+    # ---- not supported ---------------------------------------------------------------------------
+
+    async def SubscribeKvEvents(self, request, context):  # noqa: N802
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "KV cache events are not published by this worker")
+
+    async def Embed(self, request, context):  # noqa: N802
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Embed is not supported: this is a generation model")
+
+    async def FlushCache(self, request, context):  # noqa: N802
+        return common_pb2.FlushCacheResponse(success=True, message="no prefix cache to flush")
+
+    async def StartProfile(self, request, context):  # noqa: N802
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "profiling is not supported")
+
+    async def StopProfile(self, request, context):  # noqa: N802
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "profiling is not supported")
+
+    async def LoadLoRAAdapter(self, request, context):  # noqa: N802
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "LoRA adapters are not supported")
+
+    async def UnloadLoRAAdapter(self, request, context):  # noqa: N802
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "LoRA adapters are not supported")
+
+    async def ListLoadedLoRAAdapters(self, request, context):  # noqa: N802
+        return pb.ListLoadedLoRAAdaptersResponse()
+
+
+def _bind_address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+class WorkerServer:
+    """The engine loop plus a grpc.aio server with the scheduler and health services."""
+
+    def __init__(
+        self, engine: Engine, host: str = "127.0.0.1", port: int = 0, options: WorkerOptions | None = None
+    ) -> None:
+        self.host = host
+        self.requested_port = port
+        self.port: int | None = None
+        if options is None:
+            options = WorkerOptions(served_model_name=Path(engine.config.model_path).name)
+        self.options = options
+        self.loop = EngineLoop(engine)
+        self.servicer = SchedulerServicer(self.loop, options)
+        self.health: WorkerHealth | None = None
+        self.server: grpc.aio.Server | None = None
+
+    @property
+    def address(self) -> str:
+        return _bind_address(self.host, self.port if self.port is not None else self.requested_port)
+
+    async def start(self) -> int:
+        aio_loop = asyncio.get_running_loop()
+        self.server = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", 64 << 20),
+                ("grpc.max_send_message_length", 64 << 20),
+                ("grpc.so_reuseport", 0),
+            ]
+        )
+        self.health = WorkerHealth(self.servicer.liveness)
+        pb_grpc.add_SglangSchedulerServicer_to_server(self.servicer, self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.port = self.server.add_insecure_port(_bind_address(self.host, self.requested_port))
+        if not self.port:
+            raise RuntimeError(f"could not bind {_bind_address(self.host, self.requested_port)}")
+        health = self.health
+
+        def on_engine_failure(exc: BaseException) -> None:
+            def mark() -> None:
+                asyncio.ensure_future(health.set_all(_NOT_SERVING))
+
+            try:
+                aio_loop.call_soon_threadsafe(mark)
+            except RuntimeError:
+                pass
+
+        self.loop.on_failure(on_engine_failure)
+        self.loop.start()
+        await self.server.start()
+        await health.set_all(_SERVING)
+        log.info("worker serving", address=self.address, service=SERVICE_NAME)
+        return self.port
+
+    async def stop(self, grace: float = 5.0) -> None:
+        """NOT_SERVING, refuse new requests, let in-flight calls finish for ``grace`` seconds (then
+        they are cancelled, which aborts their engine requests), stop the engine thread."""
+        log.info("worker shutting down", grace_s=grace)
+        if self.health is not None:
+            await self.health.enter_graceful_shutdown()
+        self.loop.close_admission()
+        if self.server is not None:
+            await self.server.stop(grace)
+        stopped = await asyncio.to_thread(self.loop.stop, True, 30.0)
+        log.info("worker stopped", engine_thread_joined=stopped)
+
+    async def wait_for_termination(self) -> None:
+        assert self.server is not None
+        await self.server.wait_for_termination()
+
+
+class ServerThread:
+    """Runs a :class:`WorkerServer` on its own event loop in a background thread (tests, tools)."""
+
+    def __init__(self, server: WorkerServer) -> None:
+        self.server = server
+        self._aio_loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._aio_loop.run_forever, name="worker-grpc", daemon=True)
+
+    def start(self, timeout: float = 60.0) -> int:
+        self._thread.start()
+        return asyncio.run_coroutine_threadsafe(self.server.start(), self._aio_loop).result(timeout)
+
+    @property
+    def address(self) -> str:
+        return self.server.address
+
+    def stop(self, grace: float = 1.0, timeout: float = 60.0) -> None:
+        try:
+            asyncio.run_coroutine_threadsafe(self.server.stop(grace), self._aio_loop).result(timeout)
+        finally:
+            self._aio_loop.call_soon_threadsafe(self._aio_loop.stop)
+            self._thread.join(timeout)
+            if not self._thread.is_alive():
+                self._aio_loop.close()
