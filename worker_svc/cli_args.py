@@ -10,7 +10,7 @@ from typing import Any
 from worker_svc.engine_config import CPU_BF16_LINEAR_KERNELS, DTYPES, EngineConfig
 
 
-def _json_object(text: str) -> dict[str, Any]:
+def json_object(text: str) -> dict[str, Any]:
     try:
         value = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -32,7 +32,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--chunked-prefill-size", type=int, default=1024)
     g.add_argument("--max-prefill-tokens", type=int, default=4096)
     g.add_argument("--context-length", type=int, default=None)
-    g.add_argument("--json-model-override-args", type=_json_object, default={}, metavar="JSON",
+    g.add_argument("--json-model-override-args", type=json_object, default={}, metavar="JSON",
                    help='override config.json fields, e.g. \'{"rope_theta": 10000}\'')
     g.add_argument("--random-seed", type=int, default=0)
     g.add_argument("--cpu-bf16-linear", choices=CPU_BF16_LINEAR_KERNELS, default="auto",

@@ -1,22 +1,12 @@
 """The `llmserve make-model` subcommand."""
 
 import argparse
-import json
 import sys
 import time
 from typing import Any
 
 from llmserve.modelgen.presets import ARCHS, PLANNED_ARCHS, PRESETS
-
-
-def _json_object(text: str) -> dict[str, Any]:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from e
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError("must be a JSON object")
-    return value
+from worker_svc.cli_args import json_object
 
 
 def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
@@ -36,7 +26,7 @@ def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") 
     p.add_argument("--shards", type=int, default=1, help="split weights over K safetensors files + index")
     p.add_argument("--weights-dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="dtype of stored weights (default: float32 for tiny/small, bfloat16 for bench)")
-    p.add_argument("--config-override", type=_json_object, default=None, metavar="JSON",
+    p.add_argument("--config-override", type=json_object, default=None, metavar="JSON",
                    help='JSON object merged into config.json last, e.g. \'{"num_hidden_layers": 3}\'')
     p.set_defaults(func=_run)
 
