@@ -3,7 +3,6 @@
 import argparse
 import sys
 import time
-from typing import Any
 
 from llmserve.modelgen.presets import ARCHS, PLANNED_ARCHS, PRESETS
 from worker_svc.cli_args import json_object
