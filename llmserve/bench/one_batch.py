@@ -39,7 +39,11 @@ def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") 
     p.add_argument("--compare-hf", action="store_true", help="latency: interleave HF generate, report ratio")
     p.add_argument("--repeats", type=int, default=1, help="latency: measurements per setting")
     p.add_argument("--result-file", type=Path, default=None, help="write results as JSON")
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (per rank)")
+    p.add_argument("--tp", "--tp-size", dest="tp", type=int, default=1,
+                   help="tensor-parallel ranks: this process leads, N-1 followers are spawned")
+    p.add_argument("--tp-init-addr", default=None, metavar="HOST:PORT",
+                   help="--tp: rendezvous address (default: a free port on 127.0.0.1)")
     p.set_defaults(func=run)
 
 
@@ -50,10 +54,36 @@ def run(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    runner = ModelRunner(engine_config_from_args(args))
-    if args.correct:
-        return correctness(runner, args)
-    return latency(runner, args)
+    engine = engine_config_from_args(args)
+    if args.tp < 1:
+        raise SystemExit("--tp must be at least 1")
+    if args.tp == 1:
+        runner = ModelRunner(engine)
+        return correctness(runner, args) if args.correct else latency(runner, args)
+    return _run_tp(engine, args)
+
+
+def _run_tp(engine, args: argparse.Namespace) -> int:
+    """Rank 0 in this process, ranks 1..N-1 spawned; every rank replays the leader's steps."""
+    import dataclasses
+
+    from worker_svc.runner import ModelRunner
+    from worker_svc.step_broadcast import LeaderRunner, join_followers, spawn_followers
+    from worker_svc.tp_group import destroy_tp, free_port, init_tp, rank_device
+
+    addr = args.tp_init_addr or f"127.0.0.1:{free_port()}"
+    followers = spawn_followers(args.tp, addr, [engine], threads=args.threads)
+    tp = init_tp(0, args.tp, addr, engine.device)
+    try:
+        engine = dataclasses.replace(engine, device=str(rank_device(engine.device, 0)))
+        runner = LeaderRunner(ModelRunner(engine, tp), tp)
+        try:
+            return correctness(runner, args) if args.correct else latency(runner, args)
+        finally:
+            runner.stop_followers()
+    finally:
+        destroy_tp(tp)
+        join_followers(followers)
 
 
 # ---- correctness ----------------------------------------------------------------------------------

@@ -1,0 +1,261 @@
+"""Tensor parallelism over real gloo process groups: TP=2 and TP=4 give TP=1's logits (fp32, within
+1e-4) and greedy tokens, with chunked prefill, mixed lengths, replicated KV heads, tied embeddings, a
+vocabulary that does not divide over the ranks and biased linears; each rank holds only its shard; the
+leader -> follower step message round-trips exactly.
+
+The pytest process is rank 0; ranks 1.. are spawned once per TP size and replay every model in turn.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from llmserve.bench.driver import StaticBatch, greedy_with_split_prefill
+from tests.unit.oracle import encode_prompts
+from worker_svc.engine_config import EngineConfig
+from worker_svc.forward_batch import ForwardMode
+from worker_svc.layers.embedding import VocabParallelEmbedding
+from worker_svc.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from worker_svc.runner import ModelRunner, StepInput
+from worker_svc.step_broadcast import LeaderRunner, join_followers, pack_step, spawn_followers, unpack_step
+from worker_svc.tp import TPContext
+from worker_svc.tp_group import backend_for, destroy_tp, free_port, init_tp
+
+OUTPUT_LEN = 16
+ATOL = 1e-4
+CHUNK = 5
+TIMEOUT_S = 90
+
+
+def _with_biases(src: Path, dst: Path) -> Path:
+    """A copy of ``src`` with random biases on every projection (attention_bias and mlp_bias)."""
+    if dst.exists():
+        return dst
+    shutil.copytree(src, dst)
+    tensors = load_file(str(dst / "model.safetensors"))
+    gen = torch.Generator().manual_seed(1)
+    for name in list(tensors):
+        if name.endswith(("_proj.weight",)):
+            rows = tensors[name].shape[0]
+            tensors[name.replace(".weight", ".bias")] = torch.randn(rows, generator=gen) * 0.1
+    save_file(tensors, str(dst / "model.safetensors"))
+    config = json.loads((dst / "config.json").read_text())
+    config.update(attention_bias=True, mlp_bias=True)
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+@pytest.fixture(scope="module")
+def models(model_factory, tmp_path_factory) -> dict[str, Path]:
+    tiny = model_factory("tiny")
+    return {
+        "tiny": tiny,  # 2 KV heads: replicated at TP=4
+        "small": model_factory("small"),
+        "tied": model_factory("tiny", tie_word_embeddings=True),
+        "odd_vocab": model_factory("tiny", config_override={"vocab_size": 509}),
+        "bias": _with_biases(tiny, tmp_path_factory.mktemp("bias") / "tiny_bias"),
+    }
+
+
+def _engine(model_dir: Path) -> EngineConfig:
+    return EngineConfig(model_path=str(model_dir), dtype="float32", max_total_tokens=2048, max_running_requests=8)
+
+
+def _chunked_prefill(runner, prompts: list[list[int]], chunk: int) -> torch.Tensor:
+    """Prefill every prompt CHUNK tokens per step; requests already done sit later steps out."""
+    batch = StaticBatch(runner, len(prompts))
+    try:
+        final = [None] * len(prompts)
+        for start in range(0, max(len(p) for p in prompts), chunk):
+            live = [i for i, p in enumerate(prompts) if start < len(p)]
+            sub = StaticBatch.__new__(StaticBatch)
+            sub.runner, sub.rows = runner, [batch.rows[i] for i in live]
+            sub.seq_lens = [batch.seq_lens[i] for i in live]
+            logits = sub.extend([prompts[i][start : start + chunk] for i in live])
+            for j, i in enumerate(live):
+                batch.seq_lens[i] = sub.seq_lens[j]
+                if start + chunk >= len(prompts[i]):
+                    final[i] = logits[j]
+        return torch.stack(final)
+    finally:
+        batch.release()
+
+
+def _run_checks(runner, prompts: list[list[int]]) -> dict:
+    logits, tokens = greedy_with_split_prefill(runner, prompts, OUTPUT_LEN, cut_len=3)
+    return {"logits": logits, "tokens": tokens, "chunked": _chunked_prefill(runner, prompts, CHUNK)}
+
+
+_TP1: dict[str, dict] = {}
+
+
+def _reference(name: str, model_dir: Path) -> dict:
+    if name not in _TP1:
+        _TP1[name] = _run_checks(ModelRunner(_engine(model_dir)), encode_prompts(model_dir))
+    return _TP1[name]
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"tp{n}")
+def tp_run(request, models):
+    """Run every model at TP=size with one spawned group; returns (size, {name: results})."""
+    size = request.param
+    names = list(models)
+    addr = f"127.0.0.1:{free_port()}"
+    procs = spawn_followers(size, addr, [_engine(models[n]) for n in names], threads=1, timeout_s=TIMEOUT_S)
+    tp = init_tp(0, size, addr, "cpu", timeout_s=TIMEOUT_S)
+    results = {}
+    try:
+        for name in names:
+            runner = LeaderRunner(ModelRunner(_engine(models[name]), tp), tp)
+            try:
+                results[name] = _run_checks(runner, encode_prompts(models[name]))
+            finally:
+                runner.stop_followers()
+    finally:
+        destroy_tp(tp)
+        join_followers(procs, TIMEOUT_S)
+    return size, results
+
+
+@pytest.mark.parametrize("name", ["tiny", "small", "tied", "odd_vocab", "bias"])
+def test_tp_matches_tp1(tp_run, models, name):
+    size, results = tp_run
+    ours, ref = results[name], _reference(name, models[name])
+    assert (ours["logits"] - ref["logits"]).abs().max().item() < ATOL
+    assert ours["tokens"] == ref["tokens"]
+    assert (ours["chunked"] - ref["chunked"]).abs().max().item() < ATOL
+    # Chunked and split prefill agree too (same final-token logits, different step shapes).
+    assert (ours["chunked"] - ours["logits"]).abs().max().item() < ATOL
+
+
+# ---- sharding, without a process group (loading needs no collectives) -----------------------------
+
+
+def _sharded(model_dir: Path, rank: int, size: int) -> ModelRunner:
+    return ModelRunner(_engine(model_dir), TPContext(rank=rank, size=size))
+
+
+def _linear_bytes(model: torch.nn.Module) -> int:
+    kinds = (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear)
+    return sum(m.weight.numel() * m.weight.element_size() for m in model.modules() if isinstance(m, kinds))
+
+
+def test_tp2_shards_halve_parameter_memory(models):
+    full = _sharded(models["small"], 0, 1)
+    vocab, hidden = full.config.vocab_size, full.config.hidden_size
+    for rank in range(2):
+        shard = _sharded(models["small"], rank, 2)
+        ratio = _linear_bytes(shard.model) / _linear_bytes(full.model)
+        assert 0.45 <= ratio <= 0.55, ratio
+        for module in (shard.model.model.embed_tokens, shard.model.lm_head):
+            assert tuple(module.weight.shape) == (vocab // 2, hidden)
+        assert 0.45 <= shard.weight_nbytes / full.weight_nbytes <= 0.55  # norms are the only replicas
+        assert shard.kv_pool.nbytes() * 2 == full.kv_pool.nbytes()
+
+
+def test_kv_heads_replicated_when_fewer_than_ranks(models):
+    model_dir = models["tiny"]  # 4 query heads, 2 KV heads
+    with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
+        k_full = f.get_tensor("model.layers.0.self_attn.k_proj.weight")
+        v_full = f.get_tensor("model.layers.0.self_attn.v_proj.weight")
+        q_full = f.get_tensor("model.layers.0.self_attn.q_proj.weight")
+    head_dim = k_full.shape[0] // 2
+    for rank in range(4):
+        qkv = _sharded(model_dir, rank, 4).model.model.layers[0].self_attn.qkv_proj
+        assert (qkv.num_heads, qkv.num_kv_heads) == (1, 1)
+        kv_head = rank // 2  # query head `rank` belongs to KV group rank // (4 / 2)
+        q, k, v = qkv.weight.split([head_dim, head_dim, head_dim])
+        assert torch.equal(q, q_full[rank * head_dim : (rank + 1) * head_dim])
+        assert torch.equal(k, k_full[kv_head * head_dim : (kv_head + 1) * head_dim])
+        assert torch.equal(v, v_full[kv_head * head_dim : (kv_head + 1) * head_dim])
+
+
+def test_odd_vocab_is_padded_on_the_last_rank(models):
+    model_dir = models["odd_vocab"]
+    with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
+        embed = f.get_tensor("model.embed_tokens.weight")
+    assert embed.shape[0] == 509
+    per_rank = 128  # ceil(509 / 4)
+    for rank in range(4):
+        shard = _sharded(model_dir, rank, 4).model.model.embed_tokens
+        assert isinstance(shard, VocabParallelEmbedding) and shard.weight.shape[0] == per_rank
+        rows = embed[rank * per_rank : (rank + 1) * per_rank]
+        assert torch.equal(shard.weight[: rows.shape[0]], rows)
+        assert not shard.weight[rows.shape[0] :].any()
+
+
+def test_row_parallel_bias_counted_once(models):
+    model_dir = models["bias"]
+    with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
+        bias = f.get_tensor("model.layers.0.self_attn.o_proj.bias")
+    for rank in range(2):
+        o_proj = _sharded(model_dir, rank, 2).model.model.layers[0].self_attn.o_proj
+        assert torch.equal(o_proj.bias, bias if rank == 0 else torch.zeros_like(bias))
+
+
+def test_tied_embedding_shares_the_vocab_shard(models):
+    model = _sharded(models["tied"], 1, 2).model
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert model.lm_head.vocab_start == model.model.embed_tokens.vocab_start > 0
+
+
+# ---- the step message ------------------------------------------------------------------------------
+
+
+def _assert_same_step(a: StepInput, b: StepInput) -> None:
+    assert a.mode is b.mode
+    for field in ("input_ids", "positions", "out_slots", "req_rows"):
+        x, y = getattr(a, field), getattr(b, field)
+        assert y.dtype == torch.int64 and torch.equal(x.to(torch.int64), y), field
+    assert a.seq_lens == b.seq_lens and a.prefix_lens == b.prefix_lens
+
+
+def test_step_pack_unpack_round_trips():
+    extend = StepInput(
+        mode=ForwardMode.EXTEND,
+        input_ids=torch.tensor([5, 6, 7, 8, 9, 2**40]),
+        positions=torch.tensor([0, 1, 2, 3, 4, 0]),
+        out_slots=torch.tensor([11, 12, 13, 14, 15, 16]),
+        req_rows=torch.tensor([3, 0]),
+        seq_lens=[5, 1],
+        prefix_lens=[0, 0],
+    )
+    decode = StepInput(
+        mode=ForwardMode.DECODE,
+        input_ids=torch.tensor([1, 2], dtype=torch.int32),
+        positions=torch.tensor([7, 3]),
+        out_slots=torch.tensor([20, 21]),
+        req_rows=torch.tensor([3, 0]),
+        seq_lens=[8, 4],
+        prefix_lens=[7, 3],
+    )
+    for step in (extend, decode):
+        packed = pack_step(step)
+        assert packed.dtype == torch.int64 and packed.dim() == 1
+        n, b = step.input_ids.numel(), len(step.seq_lens)
+        assert packed[:3].tolist() == [0 if step.mode is ForwardMode.EXTEND else 1, n, b]
+        assert packed.numel() == 3 + 3 * n + 3 * b
+        _assert_same_step(step, unpack_step(packed))
+    assert unpack_step(torch.tensor([2, 0, 0])) is None
+
+
+def test_pack_rejects_inconsistent_steps():
+    bad = StepInput(ForwardMode.DECODE, torch.tensor([1]), torch.tensor([1, 2]), torch.tensor([3]),
+                    torch.tensor([0]), [2], [1])
+    with pytest.raises(ValueError):
+        pack_step(bad)
+
+
+def test_backend_follows_device():
+    assert backend_for("cpu") == "gloo"
+    assert backend_for("cuda:1") == "nccl"
+    assert init_tp(0, 1, "unused:0").size == 1
+    with pytest.raises(ValueError):
+        init_tp(0, 2, "no-port", timeout_s=1)
