@@ -70,10 +70,21 @@ def test_chunked_prefill_logits_match_hf(case):
 
 
 def test_continuous_batching_matches_hf(case):
-    """Prompts arrive while others decode; long prompts are prefilled in chunks of 8 tokens."""
-    model_dir, prompts, _, ref_tokens = case
+    """Prompts arrive while others decode; long prompts are prefilled in chunks of 8 tokens. Each
+    request's final prefill logits (taken from whichever mixed step completed its prompt) and its
+    greedy tokens match HF."""
+    model_dir, prompts, ref_logits, ref_tokens = case
     engine = Engine(EngineConfig(model_path=str(model_dir), dtype="float32", max_total_tokens=4096,
                                  chunked_prefill_size=8, max_prefill_tokens=16))
+    steps = []
+    forward = engine.runner.forward
+
+    def recording_forward(step):
+        logits = forward(step)
+        steps.append((step.req_rows.tolist(), list(step.seq_lens), logits.clone()))
+        return logits
+
+    engine.runner.forward = recording_forward
     first = [engine.submit(p, GREEDY) for p in prompts[:2]]
     for _ in range(6):
         engine.scheduler.step()
@@ -81,8 +92,22 @@ def test_continuous_batching_matches_hf(case):
     assert len(first[0].output_ids) >= 4
     assert engine.scheduler.chunked is first[1] or len(first[1].output_ids) > 0
     later = [engine.submit(p, GREEDY) for p in prompts[2:]]
-    engine.run_until_idle()
-    assert [r.output_ids for r in first + later] == ref_tokens
+    rows = {}
+    while engine.scheduler.has_work():
+        engine.scheduler.step()
+        for req in first + later:
+            if req.req_row is not None:
+                rows.setdefault(id(req), req.req_row)
+    reqs = first + later
+    assert [r.output_ids for r in reqs] == ref_tokens
+    for i, req in enumerate(reqs):
+        prefill = [
+            logits[j] for rows_, lens, logits in steps
+            for j, (row, length) in enumerate(zip(rows_, lens))
+            if row == rows[id(req)] and length == len(req.prompt_ids)
+        ]
+        assert len(prefill) == 1
+        assert (prefill[0] - ref_logits[i]).abs().max().item() < ATOL
     assert engine.runner.allocator.available() == engine.runner.max_total_tokens
 
 
