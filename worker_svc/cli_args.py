@@ -35,6 +35,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--json-model-override-args", type=json_object, default={}, metavar="JSON",
                    help='override config.json fields, e.g. \'{"rope_theta": 10000}\'')
     g.add_argument("--random-seed", type=int, default=0)
+    g.add_argument("--torchao-config", "--quantization", dest="torchao_config", default="none",
+                   help="weight quantization: none, int8wo, int4wo-<32|64|128|256>, int8dq, fp8wo, fp8dq-per_row")
+    g.add_argument("--quantize-lm-head", action="store_true", help="quantize the LM head too")
     g.add_argument("--cpu-bf16-linear", choices=CPU_BF16_LINEAR_KERNELS, default="auto",
                    help="bf16 matmul kernel on the CPU (auto: blocked_upcast on CPUs without native bf16)")
 
@@ -53,4 +56,25 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         json_model_override_args=args.json_model_override_args,
         random_seed=args.random_seed,
         cpu_bf16_linear=args.cpu_bf16_linear,
+        torchao_config=args.torchao_config,
+        quantize_lm_head=args.quantize_lm_head,
     )
+
+
+def engine_argv(args: argparse.Namespace) -> list[str]:
+    """The engine flags of parsed ``args`` as a command line again (to start another rank with them)."""
+    argv = [
+        "--model", args.model, "--dtype", args.dtype, "--device", args.device,
+        "--kv-cache-memory-mb", str(args.kv_cache_memory_mb),
+        "--max-running-requests", str(args.max_running_requests),
+        "--chunked-prefill-size", str(args.chunked_prefill_size),
+        "--max-prefill-tokens", str(args.max_prefill_tokens),
+        "--random-seed", str(args.random_seed), "--cpu-bf16-linear", args.cpu_bf16_linear,
+    ]
+    if args.max_total_tokens is not None:
+        argv += ["--max-total-tokens", str(args.max_total_tokens)]
+    if args.context_length is not None:
+        argv += ["--context-length", str(args.context_length)]
+    if args.json_model_override_args:
+        argv += ["--json-model-override-args", json.dumps(args.json_model_override_args)]
+    return argv

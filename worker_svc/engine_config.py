@@ -37,6 +37,10 @@ class EngineConfig:
     # memory); "fbgemm_fp16_lowmem" keeps only the packed copy.
     cpu_bf16_linear: str = "auto"
 
+    # Weight quantization of this rank's shard (worker_svc/quant.py), e.g. "int4wo-128".
+    torchao_config: str = "none"
+    quantize_lm_head: bool = False
+
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype {self.dtype!r} is not supported; choose one of {', '.join(DTYPES)}")

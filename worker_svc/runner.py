@@ -28,11 +28,17 @@ from worker_svc.layers.linear import KernelLinear
 from worker_svc.kvcache import KVSlotAllocator, MHAKVPool, ReqToTokenTable
 from worker_svc.loader import load_checkpoint
 from worker_svc.models.registry import model_class
+from worker_svc.quant import check_alignment, check_runnable, parse_quant_config, quantize_model
 from worker_svc.tp import TPContext
 
 log = structlog.get_logger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class FatalStepError(RuntimeError):
+    """A step failed in a way that leaves the engine unusable (e.g. a tensor-parallel peer is gone):
+    the scheduler re-raises it, so the engine loop fails, instead of failing only the step's requests."""
 
 
 @dataclass
@@ -70,8 +76,11 @@ class ModelRunner:
         self.attn_backend = TorchNativeAttentionBackend()
 
     def _load_model(self) -> torch.nn.Module:
+        quant = parse_quant_config(self.engine.torchao_config)
+        check_runnable(quant, self.device)  # fail before reading any weights
         with torch.device("meta"):
             model = model_class(self.config.architecture)(self.config, self.tp)
+        check_alignment(model, quant, self.tp.size, self.engine.quantize_lm_head)
         model = model.to(dtype=self.dtype).to_empty(device=self.device)
         if hasattr(model, "tie_weights"):
             model.tie_weights()
@@ -80,6 +89,7 @@ class ModelRunner:
         for module in model.modules():
             if hasattr(module, "build_cache"):
                 module.build_cache(self.device)
+        quantized = quantize_model(model, quant, self.dtype, self.device, self.engine.quantize_lm_head)
         self._select_linear_kernels(model)
         self.weight_nbytes = self.weight_bytes(model)
         model.eval()
@@ -90,6 +100,8 @@ class ModelRunner:
             tp_rank=self.tp.rank,
             tp_size=self.tp.size,
             weight_bytes=self.weight_nbytes,
+            quantization=quant.name,
+            quantized_layers=quantized,
         )
         return model
 
@@ -105,7 +117,7 @@ class ModelRunner:
         blocked = BlockedUpcastLinear()  # one shared scratch buffer: the engine runs one step at a time
         shared = {id(p) for name, p in model.named_parameters() if "embed_tokens" in name}
         for module in model.modules():
-            if not isinstance(module, (KernelLinear, ParallelLMHead)):
+            if not isinstance(module, (KernelLinear, ParallelLMHead)) or getattr(module, "quantized", False):
                 continue
             if choice.startswith("fbgemm_fp16"):
                 keep_bf16 = choice == "fbgemm_fp16"

@@ -1,0 +1,245 @@
+"""Weight quantization of this rank's loaded shard, selected by an sglang-style config string.
+
+    none | int8wo | int4wo-<group> (32, 64, 128, 256) | int8dq | fp8wo | fp8dq-per_row
+
+Applied after loading, to the attention and MLP projections (the LM head only when asked). Because
+each rank quantizes its own shard, quantization composes with tensor parallelism; int4 groups must
+not straddle a row-parallel shard boundary, which is checked at start.
+
+On CUDA the configs map onto torchao's own (``quantize_`` with Int8WeightOnlyConfig,
+Int4WeightOnlyConfig, Int8DynamicActivationInt8WeightConfig, Float8...), which reach fast kernels
+there. On the CPU torchao 0.15's configs either miss the fast kernels or need extensions built for
+another torch, so the CPU path uses torchao's quantization primitives (``choose_qparams_affine``,
+``quantize_affine`` and the tinygemm variants) to produce the same quantized values and runs them
+with aten's CPU kernels: ``_weight_int8pack_mm`` (int8 weight-only), ``_weight_int4pack_mm_for_cpu``
+(int4, grouped asymmetric) and ``_int_mm`` (int8 x int8, dynamic per-token activations). Each
+kernel can also produce its dequantized weight, which the tests use as the reference.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+with warnings.catch_warnings():  # torchao announces skipped C++ extensions at import
+    warnings.simplefilter("ignore")
+    from torchao.quantization.quant_primitives import (
+        MappingType,
+        _choose_qparams_affine_tinygemm,
+        _dequantize_affine_tinygemm,
+        _quantize_affine_tinygemm,
+        choose_qparams_affine,
+        dequantize_affine,
+        quantize_affine,
+    )
+
+INT4_GROUP_SIZES = (32, 64, 128, 256)
+CPU_CONFIGS = ("int8wo", *(f"int4wo-{g}" for g in INT4_GROUP_SIZES), "int8dq")
+ALL_CONFIGS = ("none", *CPU_CONFIGS, "fp8wo", "fp8dq-per_row")
+
+
+class QuantConfigError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    method: str  # "none" | "int8wo" | "int4wo" | "int8dq" | "fp8wo" | "fp8dq"
+    group_size: int = 0  # int4 only
+    name: str = "none"
+
+
+def parse_quant_config(text: str | None) -> QuantConfig:
+    name = (text or "none").strip().lower()
+    if name in ("none", "int8wo", "int8dq", "fp8wo", "fp8dq-per_row"):
+        return QuantConfig(method=name.split("-")[0], name=name)
+    match = re.fullmatch(r"int4wo-(\d+)", name)
+    if match and int(match.group(1)) in INT4_GROUP_SIZES:
+        return QuantConfig(method="int4wo", group_size=int(match.group(1)), name=name)
+    raise QuantConfigError(f"--torchao-config {text!r} is not supported; choose one of {', '.join(ALL_CONFIGS)}")
+
+
+def check_runnable(config: QuantConfig, device: torch.device) -> None:
+    if config.method.startswith("fp8") and device.type == "cpu":
+        raise QuantConfigError(
+            f"--torchao-config {config.name} needs a CUDA GPU with fp8 support; on the CPU use one of: "
+            f"{', '.join(CPU_CONFIGS)}"
+        )
+
+
+# ---- CPU kernels -------------------------------------------------------------------------------
+
+
+class Int8WeightOnlyKernel:
+    """Per-output-channel symmetric int8 weights; activations stay in the model dtype."""
+
+    def __init__(self, weight: torch.Tensor, dtype: torch.dtype) -> None:
+        w32 = weight.float()
+        self.block = (1, w32.shape[1])
+        self.scale, self.zero = choose_qparams_affine(
+            w32, MappingType.SYMMETRIC, self.block, torch.int8, -127, 127, eps=1e-9, scale_dtype=torch.float32
+        )
+        self.qweight = quantize_affine(w32, self.block, self.scale, self.zero, torch.int8, -127, 127)  # [N, K]
+        self.kernel_scale = self.scale.reshape(-1).to(dtype)  # [N]
+        self.nbytes = self.qweight.numel() + self.kernel_scale.numel() * self.kernel_scale.element_size()
+
+    def dequantized(self) -> torch.Tensor:
+        return dequantize_affine(self.qweight, self.block, self.scale, self.zero, torch.int8, -127, 127)
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1])  # [rows, in]
+        out = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.kernel_scale)
+        if bias is not None:
+            out = out + bias
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+class Int4WeightOnlyKernel:
+    """Grouped asymmetric uint4 weights in tinygemm's layout (w = (q - 8) * scale + zero)."""
+
+    def __init__(self, weight: torch.Tensor, dtype: torch.dtype, group_size: int) -> None:
+        w32 = weight.float()
+        out_features, in_features = w32.shape
+        self.block = (1, group_size)
+        self.scale, self.zero = _choose_qparams_affine_tinygemm(
+            w32, MappingType.ASYMMETRIC, self.block, torch.int32, 0, 15, eps=1e-6,
+            scale_dtype=dtype, zero_point_dtype=dtype,
+        )
+        self.qweight = _quantize_affine_tinygemm(w32, self.block, self.scale, self.zero, torch.int32, 0, 15)
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(self.qweight, 1)
+        groups = in_features // group_size
+        # [in / group, out, 2]: per group and output channel, (scale, zero).
+        self.scale_and_zero = torch.stack(
+            (self.scale.reshape(out_features, groups).t(), self.zero.reshape(out_features, groups).t()), dim=-1
+        ).contiguous()
+        self.group_size = group_size
+        self.nbytes = self.packed.numel() * self.packed.element_size() + self.scale_and_zero.numel() * 2
+
+    def dequantized(self) -> torch.Tensor:
+        return _dequantize_affine_tinygemm(self.qweight, self.block, self.scale, self.zero, torch.int32, 0, 15)
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1])  # [rows, in]
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, self.group_size, self.scale_and_zero)
+        if bias is not None:
+            out = out + bias
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+class Int8DynamicKernel(Int8WeightOnlyKernel):
+    """int8 weights (per channel) x int8 activations quantized per token at run time."""
+
+    @staticmethod
+    def fake_quantize_activations(x: torch.Tensor) -> torch.Tensor:
+        """What the kernel's activation quantization means, in fp32 (for the reference)."""
+        x2 = x.float()
+        x_scale = (x2.abs().amax(dim=-1, keepdim=True) / 127).clamp(min=1e-9)
+        return torch.round(x2 / x_scale).clamp(-127, 127) * x_scale
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1]).float()  # [rows, in]
+        x_scale = (x2.abs().amax(dim=-1, keepdim=True) / 127).clamp(min=1e-9)  # [rows, 1]
+        xq = torch.round(x2 / x_scale).clamp(-127, 127).to(torch.int8)
+        acc = torch._int_mm(xq, self.qweight.t())  # [rows, out] int32
+        out = (acc.float() * x_scale * self.scale.reshape(1, -1)).to(x.dtype)
+        if bias is not None:
+            out = out + bias
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+# ---- applying a config -------------------------------------------------------------------------
+
+
+def _targets(model: nn.Module, include_lm_head: bool) -> list[tuple[str, nn.Module]]:
+    from worker_svc.layers.embedding import ParallelLMHead
+    from worker_svc.layers.linear import KernelLinear
+
+    return [
+        (name, module)
+        for name, module in model.named_modules()
+        if isinstance(module, KernelLinear) or (include_lm_head and isinstance(module, ParallelLMHead))
+    ]
+
+
+def check_alignment(model: nn.Module, config: QuantConfig, tp_size: int, include_lm_head: bool = False) -> None:
+    """int4 groups must lie inside one rank's shard of every quantized layer's input dimension."""
+    if config.method != "int4wo":
+        return
+    for name, module in _targets(model, include_lm_head):
+        in_features = module.weight.shape[1]
+        if in_features % config.group_size:
+            raise QuantConfigError(
+                f"--torchao-config {config.name}: {name} has {in_features} input features per rank"
+                f"{f' at tp size {tp_size}' if tp_size > 1 else ''}, not a multiple of the group size "
+                f"{config.group_size}; choose a group size that divides it or another --tp"
+            )
+
+
+def quantize_model(
+    model: nn.Module, config: QuantConfig, dtype: torch.dtype, device: torch.device, include_lm_head: bool = False
+) -> int:
+    """Quantize the projection layers in place; returns how many layers were quantized."""
+    if config.method == "none":
+        return 0
+    check_runnable(config, device)
+    targets = _targets(model, include_lm_head)
+    if device.type == "cuda":
+        return _quantize_with_torchao(model, config, {id(m) for _, m in targets})
+    tied = {id(p) for name, p in model.named_parameters() if "embed_tokens" in name}
+    for _, module in targets:
+        weight = module.weight.data
+        if config.method == "int8wo":
+            module.kernel = Int8WeightOnlyKernel(weight, dtype)
+        elif config.method == "int8dq":
+            module.kernel = Int8DynamicKernel(weight, dtype)
+        else:
+            module.kernel = Int4WeightOnlyKernel(weight, dtype, config.group_size)
+        module.quantized = True
+        if id(module.weight) not in tied:
+            # The kernel holds the quantized copy; keep the parameter's shape only.
+            module.weight = nn.Parameter(torch.empty_like(module.weight, device="meta"), requires_grad=False)
+    return len(targets)
+
+
+def _quantize_with_torchao(model: nn.Module, config: QuantConfig, target_ids: set[int]) -> int:
+    from torchao.quantization import (
+        Float8DynamicActivationFloat8WeightConfig,
+        Float8WeightOnlyConfig,
+        Int4WeightOnlyConfig,
+        Int8DynamicActivationInt8WeightConfig,
+        Int8WeightOnlyConfig,
+        PerRow,
+        quantize_,
+    )
+
+    ao_config = {
+        "int8wo": lambda: Int8WeightOnlyConfig(),
+        "int4wo": lambda: Int4WeightOnlyConfig(group_size=config.group_size),
+        "int8dq": lambda: Int8DynamicActivationInt8WeightConfig(),
+        "fp8wo": lambda: Float8WeightOnlyConfig(),
+        "fp8dq": lambda: Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()),
+    }[config.method]()
+    # Our parallel linears use F.linear by default, which dispatches on torchao's tensor subclasses.
+    quantize_(model, ao_config, filter_fn=lambda module, _: id(module) in target_ids)
+    for module in model.modules():
+        if id(module) in target_ids:
+            module.quantized = True
+    return len(target_ids)
+
+
+def dequantized_reference(model: nn.Module) -> None:
+    """Swap every quantized CPU kernel for a plain fp32 linear over its dequantized weight: the
+    reference that says what the quantized weights mean (tests and accuracy reports)."""
+    for module in model.modules():
+        kernel = getattr(module, "kernel", None)
+        if hasattr(kernel, "dequantized"):
+            weight = kernel.dequantized().float()
+            prepare = getattr(kernel, "fake_quantize_activations", lambda x: x.float())
+            module.kernel = lambda x, _w, bias, weight=weight, prepare=prepare: F.linear(
+                prepare(x), weight, None if bias is None else bias.float()
+            ).to(x.dtype)
