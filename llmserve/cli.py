@@ -3,6 +3,7 @@
 import argparse
 from collections.abc import Callable, Sequence
 
+from llmserve import client_commands, router_command, serve_command
 from llmserve import protos_gen as gen_protos_command
 from llmserve import worker_command
 from llmserve.bench import one_batch as bench_one_batch_command
@@ -18,6 +19,9 @@ SUBCOMMANDS: tuple[Register, ...] = (
     gen_protos_command.register,
     tokenizer_command.register,
     worker_command.register,
+    serve_command.register,
+    router_command.register,
+    client_commands.register,
 )
 
 

@@ -1,0 +1,76 @@
+"""`llmserve router`: serve the public llmserve.v1.Router in front of a tokenizer service and worker groups.
+
+    llmserve router --tokenizer 127.0.0.1:30010 --workers 127.0.0.1:30001,127.0.0.1:30002 \\
+        --host 127.0.0.1 --port 30000 [--policy least_load|round_robin|prefix] [--port-file F] [--log-json]
+
+Serves until SIGINT/SIGTERM, then stops accepting calls, lets in-flight ones finish for
+--shutdown-grace seconds (the rest are aborted on the workers) and exits 0. grpc.health.v1 says
+SERVING while the tokenizer service and at least one worker group are healthy.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+DEFAULT_ROUTER_PORT = 30000
+POLICIES = ("least_load", "round_robin", "prefix")
+
+
+def _addresses(text: str) -> list[str]:
+    items = [a.strip() for a in text.split(",") if a.strip()]
+    for a in items:
+        host, sep, port = a.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise argparse.ArgumentTypeError(f"{a!r} is not HOST:PORT")
+    if not items:
+        raise argparse.ArgumentTypeError("give at least one HOST:PORT")
+    return items
+
+
+def _address(text: str) -> str:
+    items = _addresses(text)
+    if len(items) != 1:
+        raise argparse.ArgumentTypeError(f"one HOST:PORT expected, got {text!r}")
+    return items[0]
+
+
+def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    p = subparsers.add_parser(
+        "router", help="serve llmserve.v1.Router (the public API) in front of a tokenizer service and workers",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokenizer", required=True, type=_address, metavar="HOST:PORT",
+                   help="the llmserve.v1.Tokenizer service")
+    p.add_argument("--workers", required=True, type=_addresses, metavar="HOST:PORT[,HOST:PORT...]",
+                   help="worker group leaders (sglang.grpc.scheduler.SglangScheduler), one per data-parallel replica")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=DEFAULT_ROUTER_PORT,
+                   help=f"port (default {DEFAULT_ROUTER_PORT}; 0: any free port, see --port-file)")
+    p.add_argument("--port-file", default=None, help="write the bound port to this file once serving")
+    p.add_argument("--policy", choices=POLICIES, default="least_load",
+                   help="how to pick a worker group (default least_load)")
+    p.add_argument("--prefix-tokens", type=int, default=32, metavar="N",
+                   help="prompt tokens hashed by the prefix policy (default 32)")
+    p.add_argument("--served-model-name", default=None,
+                   help="model name clients may send (default: what the workers report)")
+    p.add_argument("--probe-interval", type=float, default=1.0, metavar="S",
+                   help="seconds between GetLoads probes of every group (default 1)")
+    p.add_argument("--health-every", type=int, default=5, metavar="K",
+                   help="run the workers' HealthCheck every K probe rounds (default 5)")
+    p.add_argument("--probe-timeout", type=float, default=5.0, metavar="S", help="timeout of one probe (default 5)")
+    p.add_argument("--shutdown-grace", type=float, default=5.0, metavar="S",
+                   help="seconds in-flight calls may run on after SIGTERM (default 5)")
+    p.add_argument("--log-json", action="store_true", help="log JSON lines (for services) instead of text")
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    p.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from llmserve.logging import configure_logging
+    from router.server import RouterOptions, serve
+
+    configure_logging(json=args.log_json, level=args.log_level)
+    options = RouterOptions(
+        tokenizer=args.tokenizer, workers=args.workers, policy=args.policy, probe_interval=args.probe_interval,
+        health_every=args.health_every, probe_timeout=args.probe_timeout, prefix_tokens=args.prefix_tokens,
+        served_model_name=args.served_model_name)
+    return serve(options, args.host, args.port, port_file=args.port_file, grace=args.shutdown_grace)

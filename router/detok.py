@@ -1,0 +1,67 @@
+"""One request's incremental detokenization through the tokenizer service's DetokenizeStream.
+
+One call per router request (the tokenizer proto recommends it: an error fails the whole call),
+opened on the first token; each of the request's n sequences is a sequence_id on it. Messages are
+strictly request/response on the call, and one router request feeds it from a single coroutine, so
+no locking is needed.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from llmserve.v1 import tokenizer_pb2 as tpb
+from llmserve.v1 import tokenizer_pb2_grpc as tpb_grpc
+
+
+class DetokenizeError(Exception):
+    pass
+
+
+class StreamDetokenizer:
+    def __init__(self, stub: tpb_grpc.TokenizerStub, request_id: str, skip_special_tokens: bool,
+                 timeout: float | None = None):
+        self._stub = stub
+        self._metadata = (("x-request-id", request_id),)
+        self._skip = skip_special_tokens
+        self._timeout = timeout
+        self._call: grpc.aio.StreamStreamCall | None = None
+        self._open: set[int] = set()
+
+    async def push(self, sequence_id: int, token_ids: list[int], final: bool = False) -> str:
+        """Text that became final with these ids (all remaining text when final)."""
+        if not token_ids and not final:
+            return ""
+        if final and sequence_id not in self._open and not token_ids:
+            return ""  # never opened: nothing to flush
+        if self._call is None:
+            self._call = self._stub.DetokenizeStream(metadata=self._metadata, timeout=self._timeout)
+        try:
+            await self._call.write(tpb.DetokenizeStreamRequest(
+                sequence_id=sequence_id, token_ids=token_ids, final=final, skip_special_tokens=self._skip))
+            resp = await self._call.read()
+        except grpc.aio.AioRpcError as exc:
+            raise DetokenizeError(f"tokenizer service: {exc.code().name}: {exc.details()}") from exc
+        except grpc.aio.UsageError as exc:  # the call already ended
+            raise DetokenizeError(f"tokenizer service: stream closed ({exc})") from exc
+        if resp is grpc.aio.EOF:
+            code = await self._call.code()
+            raise DetokenizeError(f"tokenizer service ended the stream ({code.name})")
+        if final:
+            self._open.discard(sequence_id)
+        else:
+            self._open.add(sequence_id)
+        return resp.text
+
+    async def close(self) -> None:
+        """Half-close after a normal end (the server then finishes the call)."""
+        if self._call is not None and not self._call.done():
+            try:
+                await self._call.done_writing()
+            except (grpc.aio.AioRpcError, grpc.aio.UsageError):
+                pass
+
+    def cancel(self) -> None:
+        """Drop the call (the request was cancelled or failed); synchronous, safe in `finally`."""
+        if self._call is not None and not self._call.done():
+            self._call.cancel()

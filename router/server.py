@@ -1,0 +1,748 @@
+"""The public `llmserve.v1.Router` service (grpc.aio), with grpc.health.v1 and server reflection.
+
+One Generate / Chat call, end to end:
+
+    validate (model, sampling, prompt)          INVALID_ARGUMENT, field named
+    Encode on the tokenizer service             (Chat: through the chat template)
+    check the prompt fits the context           RESOURCE_EXHAUSTED
+    pick a worker group (WorkerPool.pick)       UNAVAILABLE when none is healthy
+    SglangScheduler.Generate(stream=True) ----> chunks of token ids, one Complete per index
+      per index: ids -> DetokenizeStream -> text delta -> StopStringMatcher -> response
+      a stop string matched: finish the index, Abort it on the worker
+    the worker fails before the first response was sent: mark the group, retry on another one
+    the worker fails later: finish the open indexes with reason "abort" and a message
+    the client cancels / its deadline passes: cancel the worker call and send Abort
+
+Details in router/README.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from google.protobuf import struct_pb2
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from smg_grpc_proto import sglang_scheduler_pb2 as spb
+
+from llmserve.logging import get_logger, request_context
+from llmserve.v1 import router_pb2 as pb
+from llmserve.v1 import tokenizer_pb2 as tpb
+from llmserve.v1 import tokenizer_pb2_grpc as tpb_grpc
+from router.detok import DetokenizeError, StreamDetokenizer
+from router.stops import StopStringMatcher
+from router.validation import (ModelFacts, RouterError, check_fits, invalid, validate_model, validate_sampling,
+                               validate_token_ids)
+from router.wire import InvalidRequest, tolerant
+from router.workers import CHANNEL_OPTIONS, NoHealthyGroup, PoolOptions, WorkerGroup, WorkerPool
+
+log = get_logger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Router"].full_name
+_SERVING = health_pb2.HealthCheckResponse.SERVING
+_NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+# Worker errors that say the request itself is wrong: returned as they are, never retried.
+_CLIENT_ERRORS = frozenset({
+    grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNIMPLEMENTED,
+    grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED,
+})
+_SEED_MASK = (1 << 53) - 1  # the worker takes the seed through a protobuf Struct (a double)
+
+
+@dataclass
+class RouterOptions:
+    tokenizer: str
+    workers: Sequence[str]
+    policy: str = "least_load"
+    probe_interval: float = 1.0
+    health_every: int = 5
+    probe_timeout: float = 5.0
+    prefix_tokens: int = 32
+    served_model_name: str | None = None
+    tokenizer_timeout: float = 30.0
+
+
+# ---- one request ---------------------------------------------------------------------------------
+
+
+@dataclass
+class _Plan:
+    """A validated, tokenized request, ready to send to a worker group."""
+
+    request_id: str
+    prompt_ids: list[int]
+    worker_request: spb.GenerateRequest
+    n: int
+    max_new_tokens: int | None
+    min_new_tokens: int
+    stops: tuple[str, ...]
+    include_stop: bool
+    skip_special_tokens: bool
+    stop_ids: frozenset[int]
+    logprobs: bool
+    top_logprobs: int
+    context: grpc.aio.ServicerContext
+    received: float = field(default_factory=time.monotonic)
+
+    def remaining(self) -> float | None:
+        return self.context.time_remaining()
+
+
+class _RetryElsewhere(Exception):
+    """The group failed before anything was sent to the client."""
+
+
+@dataclass
+class _Seq:
+    index: int
+    matcher: StopStringMatcher
+    ids: list[int] = field(default_factory=list)
+    held: list[int] = field(default_factory=list)  # a stop token kept from the detokenizer for now
+    finished: bool = False
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+
+def _token_logprobs(olp: spb.OutputLogProbs, start: int, count: int, top: bool) -> list[pb.TokenLogprob]:
+    out = []
+    for k in range(start, min(start + count, len(olp.token_ids))):
+        entry = pb.TokenLogprob(token_id=olp.token_ids[k], logprob=olp.token_logprobs[k])
+        if top and k < len(olp.top_logprobs):
+            row = olp.top_logprobs[k]
+            entry.top_logprobs.extend(pb.TopLogprob(token_id=t, logprob=v) for v, t in zip(row.values, row.token_ids))
+        out.append(entry)
+    return out
+
+
+class _Run:
+    """One attempt of a request on one worker group."""
+
+    def __init__(self, router: RouterServicer, group: WorkerGroup, plan: _Plan):
+        self.router = router
+        self.group = group
+        self.plan = plan
+        self.seqs = [_Seq(i, StopStringMatcher(plan.stops, plan.include_stop)) for i in range(plan.n)]
+        self.detok = StreamDetokenizer(router.tok_stub, plan.request_id, plan.skip_special_tokens,
+                                       timeout=plan.remaining())
+        self.first_response_at: float | None = None
+
+    def _usage(self, s: _Seq) -> pb.Usage:
+        return pb.Usage(prompt_tokens=s.prompt_tokens or len(self.plan.prompt_ids),
+                        completion_tokens=len(s.ids), cached_tokens=s.cached_tokens)
+
+    def _response(self, s: _Seq, text: str, ids: list[int], logprobs: list[pb.TokenLogprob],
+                  finish: pb.Finish | None = None) -> pb.GenerateResponse:
+        resp = pb.GenerateResponse(index=s.index, text=text, token_ids=ids, logprobs=logprobs,
+                                   request_id=self.plan.request_id)
+        if finish is not None:
+            resp.finish.CopyFrom(finish)
+        return resp
+
+    def _abort_sample(self, s: _Seq, reason: str) -> None:
+        plan = self.plan
+        engine_id = plan.request_id if plan.n == 1 else f"{plan.request_id}-n{s.index}"
+        self.router.pool.abort(self.group, engine_id, reason)
+
+    async def _feed(self, s: _Seq, ids: list[int], final: bool, drop_last: int | None = None) -> str:
+        """Detokenize the sequence's next ids, keeping back a trailing stop token until the worker
+        says whether it ended the sequence (its text is not output unless asked)."""
+        plan = self.plan
+        pending = s.held + ids
+        s.held = []
+        if final:
+            if drop_last is not None and pending and pending[-1] == drop_last:
+                pending.pop()
+        elif pending and pending[-1] in plan.stop_ids and len(s.ids) + len(ids) >= plan.min_new_tokens:
+            s.held = [pending.pop()]
+        return await self.detok.push(s.index, pending, final=final)
+
+    def _match(self, s: _Seq, text: str):
+        if len(s.ids) < self.plan.min_new_tokens:  # stop conditions are off until min_new_tokens
+            return text, None
+        return s.matcher.push(text)
+
+    async def _on_chunk(self, s: _Seq, chunk: spb.GenerateStreamChunk) -> pb.GenerateResponse | None:
+        if s.finished:
+            return None  # ids the worker produced before our Abort reached it
+        plan = self.plan
+        ids = list(chunk.token_ids)
+        s.prompt_tokens, s.cached_tokens = chunk.prompt_tokens, chunk.cached_tokens
+        lps = _token_logprobs(chunk.output_logprobs, 0, len(ids), plan.top_logprobs > 0) if plan.logprobs else []
+        text = await self._feed(s, ids, final=False)
+        s.ids += ids
+        out, match = self._match(s, text)
+        if match is None:
+            return self._response(s, out, ids, lps)
+        s.finished = True
+        self._abort_sample(s, "stop string matched")
+        log.debug("stop string matched", index=s.index, stop=match.stop)
+        finish = pb.Finish(reason="stop", stop_str=match.stop, usage=self._usage(s))
+        return self._response(s, match.text, ids, lps, finish)
+
+    async def _on_complete(self, s: _Seq, c: spb.GenerateComplete) -> pb.GenerateResponse | None:
+        if s.finished:
+            return None
+        plan = self.plan
+        s.prompt_tokens, s.cached_tokens = c.prompt_tokens, c.cached_tokens
+        # Ids the chunks did not carry (a worker that does not stream): send them now.
+        extra = list(c.output_ids[len(s.ids):])
+        lps = (_token_logprobs(c.output_logprobs, len(s.ids), len(extra), plan.top_logprobs > 0)
+               if plan.logprobs and extra else [])
+        which = c.WhichOneof("matched_stop")
+        stop_token = c.matched_token_id if which == "matched_token_id" else None
+        drop = stop_token if c.finish_reason == "stop" and not plan.include_stop else None
+        text = await self._feed(s, extra, final=True, drop_last=drop)
+        s.ids += extra
+        out, match = self._match(s, text)
+        s.finished = True
+        if match is not None:
+            finish = pb.Finish(reason="stop", stop_str=match.stop, usage=self._usage(s))
+            return self._response(s, match.text, extra, lps, finish)
+        out += s.matcher.flush()
+        finish = pb.Finish(reason=c.finish_reason or "stop", usage=self._usage(s))
+        if stop_token is not None:
+            finish.stop_token_id = stop_token
+        elif which == "matched_stop_str":
+            finish.stop_str = c.matched_stop_str
+        if finish.reason == "abort":
+            finish.message = f"aborted by worker group {self.group.index}"
+        return self._response(s, out, extra, lps, finish)
+
+    def _abort_all(self, message: str) -> list[pb.GenerateResponse]:
+        out = []
+        for s in self.seqs:
+            if not s.finished:
+                s.finished = True
+                out.append(self._response(s, "", [], [], pb.Finish(reason="abort", message=message,
+                                                                    usage=self._usage(s))))
+        return out
+
+    async def stream(self) -> AsyncIterator[pb.GenerateResponse]:
+        g, plan = self.group, self.plan
+        router = self.router
+        metadata = (("x-request-id", plan.request_id),)
+        g.in_flight += 1
+        call = g.stub.Generate(plan.worker_request, metadata=metadata, timeout=plan.remaining())
+        sent = False  # anything yielded to the client yet
+        clean = False
+        try:
+            try:
+                async for msg in call:
+                    kind = msg.WhichOneof("response")
+                    if kind == "chunk":
+                        index = msg.chunk.index
+                    elif kind == "complete":
+                        index = msg.complete.index
+                    else:
+                        continue
+                    if index >= plan.n:
+                        log.warning("worker sent an index out of range", index=index, n=plan.n)
+                        continue
+                    s = self.seqs[index]
+                    resp = await (self._on_chunk(s, msg.chunk) if kind == "chunk"
+                                  else self._on_complete(s, msg.complete))
+                    if resp is None:
+                        continue
+                    if self.first_response_at is None:
+                        self.first_response_at = time.monotonic()
+                    sent = True
+                    yield resp
+                    if all(s.finished for s in self.seqs):
+                        break
+                else:
+                    if not all(s.finished for s in self.seqs):
+                        raise _WorkerStreamEnded("the worker ended the stream before every sequence finished")
+            except grpc.aio.AioRpcError as exc:
+                code = exc.code()
+                if code in _CLIENT_ERRORS:
+                    raise RouterError(code, exc.details() or code.name) from None
+                if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    raise RouterError(code, "deadline exceeded while generating") from None
+                reason = f"worker group {g.index} ({g.address}) failed: {code.name}: {exc.details()}"
+                if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+                    router.pool.report_failure(g, reason)
+                if not sent:
+                    raise _RetryElsewhere(reason) from None
+                log.error("worker group failed mid-stream", group=g.index, error=reason)
+                for resp in self._abort_all(reason):
+                    yield resp
+            except _WorkerStreamEnded as exc:
+                reason = f"worker group {g.index} ({g.address}): {exc}"
+                if not sent:
+                    raise _RetryElsewhere(reason) from None
+                for resp in self._abort_all(reason):
+                    yield resp
+            except DetokenizeError as exc:
+                if not sent:
+                    raise RouterError(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
+                log.error("detokenization failed mid-stream", error=str(exc))
+                for resp in self._abort_all(str(exc)):
+                    yield resp
+            clean = True
+        finally:
+            g.in_flight -= 1
+            if not call.done():
+                call.cancel()  # the worker aborts the call's unfinished engine requests
+                if not clean:
+                    # Explicit too: the worker may not have noticed the cancellation yet.
+                    self.router.pool.abort(g, plan.request_id, "cancelled")
+            if clean:
+                await self.detok.close()
+            else:
+                self.detok.cancel()
+
+
+class _WorkerStreamEnded(Exception):
+    pass
+
+
+# ---- the servicer --------------------------------------------------------------------------------
+
+
+def _metadata_value(context: grpc.aio.ServicerContext, key: str) -> str:
+    for k, v in context.invocation_metadata() or ():
+        if k == key:
+            return v if isinstance(v, str) else v.decode(errors="replace")
+    return ""
+
+
+class RouterServicer:
+    """Implements llmserve.v1.Router (registered through `handlers()`, see router/wire.py)."""
+
+    def __init__(self, options: RouterOptions, health_servicer: health.aio.HealthServicer | None = None):
+        self.options = options
+        self.health = health_servicer
+        self.tok_channel = grpc.aio.insecure_channel(options.tokenizer, options=CHANNEL_OPTIONS)
+        self.tok_stub = tpb_grpc.TokenizerStub(self.tok_channel)
+        self.tok_health = health_pb2_grpc.HealthStub(self.tok_channel)
+        self.tok_info: tpb.GetInfoResponse | None = None
+        self.tok_healthy = False
+        self.tok_reason = "not probed yet"
+        self.pool = WorkerPool(options.workers, PoolOptions(
+            policy=options.policy, probe_interval=options.probe_interval, health_every=options.health_every,
+            probe_timeout=options.probe_timeout, prefix_tokens=options.prefix_tokens),
+            on_change=self._update_health)
+        self._task: asyncio.Task | None = None
+        self._serving: bool | None = None
+
+    # ---- readiness -------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self.pool.start()
+        self._task = asyncio.ensure_future(self._tokenizer_loop())
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        await self.pool.close()
+        await self.tok_channel.close()
+
+    async def _tokenizer_loop(self) -> None:
+        while True:
+            await self.probe_tokenizer()
+            await asyncio.sleep(self.options.probe_interval)
+
+    async def probe_tokenizer(self) -> None:
+        timeout = self.options.probe_timeout
+        try:
+            if self.tok_info is None:
+                self.tok_info = await self.tok_stub.GetInfo(tpb.GetInfoRequest(), timeout=timeout)
+            resp = await self.tok_health.Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+            ok, reason = resp.status == _SERVING, health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+        except grpc.aio.AioRpcError as exc:
+            ok, reason = False, f"{exc.code().name}: {exc.details()}"
+        if ok != self.tok_healthy:
+            (log.info if ok else log.warning)("tokenizer service " + ("serving" if ok else "not serving"),
+                                             address=self.options.tokenizer, reason=reason)
+        self.tok_healthy, self.tok_reason = ok, reason
+        self._update_health()
+
+    def facts(self) -> ModelFacts | None:
+        info = self.pool.model_info()
+        limit = self.pool.context_limit()
+        if info is None or limit is None or self.tok_info is None:
+            return None
+        return ModelFacts(
+            name=self.options.served_model_name or info.served_model_name or Path(info.model_path).name or "default",
+            vocab_size=info.vocab_size or self.tok_info.vocab_size,
+            context_limit=limit,
+            eos_token_ids=tuple(info.eos_token_ids) or tuple(self.tok_info.eos_token_ids),
+        )
+
+    def ready(self) -> tuple[bool, str]:
+        if self.tok_info is None or not self.tok_healthy:
+            return False, f"tokenizer service {self.options.tokenizer} not serving ({self.tok_reason})"
+        if self.facts() is None:
+            return False, "no worker group has answered GetModelInfo yet"
+        if not self.pool.num_serving:
+            return False, "no healthy worker group"
+        return True, "ok"
+
+    def _update_health(self) -> None:
+        ok, reason = self.ready()
+        if ok == self._serving or self.health is None:
+            return
+        self._serving = ok
+        (log.info if ok else log.warning)("router " + ("serving" if ok else "not serving"), reason=reason)
+        status = _SERVING if ok else _NOT_SERVING
+
+        async def publish() -> None:
+            for name in ("", SERVICE_NAME):
+                await self.health.set(name, status)
+
+        asyncio.ensure_future(publish())
+
+    def _require_facts(self) -> ModelFacts:
+        facts = self.facts()
+        if facts is None:
+            raise RouterError(grpc.StatusCode.UNAVAILABLE, f"router not ready: {self.ready()[1]}")
+        return facts
+
+    # ---- tokenizer calls -------------------------------------------------------------------------
+
+    async def _encode(self, req: tpb.EncodeRequest, request_id: str, context,
+                      field_prefix: str | None = None) -> tpb.EncodeResponse:
+        timeout = context.time_remaining()
+        timeout = min(timeout, self.options.tokenizer_timeout) if timeout is not None else self.options.tokenizer_timeout
+        try:
+            return await self.tok_stub.Encode(req, timeout=timeout, metadata=(("x-request-id", request_id),))
+        except grpc.aio.AioRpcError as exc:
+            raise self._tokenizer_error(exc, field_prefix) from None
+
+    @staticmethod
+    def _tokenizer_error(exc: grpc.aio.AioRpcError, field_prefix: str | None) -> RouterError:
+        """Map a tokenizer-service error; `field_prefix` renames its "chat." fields (Chat's are
+        top-level `messages`)."""
+        code, details = exc.code(), exc.details() or ""
+        if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION):
+            if field_prefix is not None and details.startswith("chat."):
+                details = field_prefix + details.removeprefix("chat.")
+            return RouterError(code, details)
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return RouterError(code, "deadline exceeded while tokenizing")
+        return RouterError(grpc.StatusCode.UNAVAILABLE, f"tokenizer service: {code.name}: {details}")
+
+    # ---- request planning ------------------------------------------------------------------------
+
+    def _request_id(self, body_id: str, context) -> str:
+        return body_id or _metadata_value(context, "x-request-id") or uuid.uuid4().hex
+
+    def _plan(self, request_id: str, prompt_ids: list[int], prompt_text: str, sp: pb.SamplingParams,
+              facts: ModelFacts, context) -> _Plan:
+        wsp = spb.SamplingParams(
+            temperature=sp.temperature if sp.HasField("temperature") else 1.0,
+            top_p=sp.top_p or 1.0,
+            top_k=sp.top_k if sp.top_k > 0 else -1,
+            min_p=sp.min_p,
+            frequency_penalty=sp.frequency_penalty,
+            presence_penalty=sp.presence_penalty,
+            repetition_penalty=sp.repetition_penalty or 1.0,
+            stop_token_ids=sp.stop_token_ids,
+            skip_special_tokens=sp.skip_special_tokens if sp.HasField("skip_special_tokens") else True,
+            n=sp.n if sp.HasField("n") else 1,
+            min_new_tokens=sp.min_new_tokens,
+            ignore_eos=sp.ignore_eos,
+            no_stop_trim=sp.include_stop_str_in_output,
+        )
+        if sp.HasField("max_new_tokens"):
+            wsp.max_new_tokens = sp.max_new_tokens
+        if sp.HasField("seed"):
+            wsp.custom_params.CopyFrom(struct_pb2.Struct())
+            wsp.custom_params.update({"seed": sp.seed & _SEED_MASK})
+        want_logprobs = sp.logprobs or sp.top_logprobs > 0
+        worker_request = spb.GenerateRequest(
+            request_id=request_id,
+            tokenized=spb.TokenizedInput(original_text=prompt_text, input_ids=prompt_ids),
+            sampling_params=wsp,
+            return_logprob=want_logprobs,
+            top_logprobs_num=sp.top_logprobs,
+            stream=True,
+        )
+        stop_ids = set(sp.stop_token_ids)
+        if not sp.ignore_eos:
+            stop_ids.update(facts.eos_token_ids)
+        return _Plan(
+            request_id=request_id, prompt_ids=prompt_ids, worker_request=worker_request, n=sp.n if sp.HasField("n") else 1,
+            max_new_tokens=sp.max_new_tokens if sp.HasField("max_new_tokens") else None,
+            min_new_tokens=sp.min_new_tokens, stops=tuple(sp.stop), include_stop=sp.include_stop_str_in_output,
+            skip_special_tokens=wsp.skip_special_tokens, stop_ids=frozenset(stop_ids), logprobs=want_logprobs,
+            top_logprobs=sp.top_logprobs, context=context,
+        )
+
+    async def _plan_generate(self, request: pb.GenerateRequest, request_id: str, context) -> _Plan:
+        facts = self._require_facts()
+        validate_model(request.model, facts)
+        which = request.WhichOneof("prompt")
+        if which is None:
+            raise invalid("prompt", "set `text` or `token_ids`")
+        sp = request.sampling_params
+        validate_sampling(sp, facts)
+        if which == "text":
+            if not request.text:
+                raise invalid("text", "the prompt must not be empty")
+            add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
+            enc = await self._encode(tpb.EncodeRequest(text=request.text, add_special_tokens=add_special),
+                                     request_id, context)
+            ids, text = list(enc.token_ids), request.text
+            if not ids:
+                raise invalid("text", "the prompt encodes to no tokens")
+            field_name = "text"
+        else:
+            ids, text = list(request.token_ids.ids), ""
+            if not ids:
+                raise invalid("token_ids.ids", "the prompt must not be empty")
+            validate_token_ids(ids, facts, "token_ids.ids")
+            field_name = "token_ids"
+        check_fits(len(ids), sp, facts, field_name)
+        return self._plan(request_id, ids, text, sp, facts, context)
+
+    async def _plan_chat(self, request: pb.ChatRequest, request_id: str, context) -> _Plan:
+        facts = self._require_facts()
+        validate_model(request.model, facts)
+        if not request.messages:
+            raise invalid("messages", "the conversation must not be empty")
+        for i, m in enumerate(request.messages):
+            if not m.role:
+                raise invalid(f"messages[{i}].role", "must not be empty")
+        sp = request.sampling_params
+        validate_sampling(sp, facts)
+        if self.tok_info is not None and not self.tok_info.has_chat_template:
+            raise RouterError(grpc.StatusCode.FAILED_PRECONDITION,
+                              "messages: this model's tokenizer has no chat template (use Generate)", "messages")
+        add_gen = request.add_generation_prompt if request.HasField("add_generation_prompt") else True
+        conv = tpb.Conversation(messages=request.messages, add_generation_prompt=add_gen)
+        enc = await self._encode(tpb.EncodeRequest(chat=conv), request_id, context, field_prefix="")
+        ids = list(enc.token_ids)
+        if not ids:
+            raise invalid("messages", "the conversation renders to no tokens")
+        check_fits(len(ids), sp, facts, "messages")
+        return self._plan(request_id, ids, enc.prompt_text, sp, facts, context)
+
+    # ---- streaming -------------------------------------------------------------------------------
+
+    async def _stream(self, plan: _Plan) -> AsyncIterator[pb.GenerateResponse]:
+        tried: set[int] = set()
+        failures: list[str] = []
+        while True:
+            try:
+                group = self.pool.pick(plan.prompt_ids, tried)
+            except NoHealthyGroup as exc:
+                detail = f"; this request failed on: {' | '.join(failures)}" if failures else ""
+                raise RouterError(grpc.StatusCode.UNAVAILABLE, f"{exc}{detail}") from None
+            tried.add(group.index)
+            log.info("generate routed", group=group.index, prompt_tokens=len(plan.prompt_ids), n=plan.n,
+                     attempt=len(tried))
+            run = _Run(self, group, plan)
+            finishes: list[pb.Finish] = []
+            try:
+                async for resp in run.stream():
+                    if resp.HasField("finish"):
+                        finishes.append(resp.finish)
+                    yield resp
+            except _RetryElsewhere as exc:
+                failures.append(str(exc))
+                log.warning("worker group failed before the first token; retrying elsewhere", error=str(exc))
+                continue
+            first = run.first_response_at
+            log.info("generate finished", group=group.index,
+                     finish_reasons=[f.reason for f in finishes],
+                     completion_tokens=sum(f.usage.completion_tokens for f in finishes),
+                     duration_s=round(time.monotonic() - plan.received, 4),
+                     ttft_s=round(first - plan.received, 4) if first else None)
+            return
+
+    async def _serve_stream(self, planner, request, context, rpc: str) -> AsyncIterator[pb.GenerateResponse]:
+        if isinstance(request, InvalidRequest):
+            log.info("rejected", rpc=rpc, code="INVALID_ARGUMENT", error=request.message)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+        request_id = self._request_id(request.request_id, context)
+        with request_context(request_id, rpc=rpc):
+            try:
+                plan = await planner(request, request_id, context)
+                async for resp in self._stream(plan):
+                    yield resp
+            except RouterError as exc:
+                log.info("rejected", code=exc.code.name, error=exc.message)
+                await context.abort(exc.code, exc.message)
+            except asyncio.CancelledError:
+                log.info("cancelled by the client or its deadline")
+                raise
+
+    # grpc.aio tells streaming handlers by inspect.isasyncgenfunction: these must yield themselves.
+    async def Generate(self, request, context) -> AsyncIterator[pb.GenerateResponse]:  # noqa: N802
+        async for resp in self._serve_stream(self._plan_generate, request, context, "Generate"):
+            yield resp
+
+    async def Chat(self, request, context) -> AsyncIterator[pb.GenerateResponse]:  # noqa: N802
+        async for resp in self._serve_stream(self._plan_chat, request, context, "Chat"):
+            yield resp
+
+    # ---- unary RPCs ------------------------------------------------------------------------------
+
+    async def _unary(self, request, context, rpc: str, body):
+        if isinstance(request, InvalidRequest):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+        request_id = self._request_id("", context)
+        with request_context(request_id, rpc=rpc):
+            try:
+                return await body(request, request_id)
+            except RouterError as exc:
+                log.info("rejected", code=exc.code.name, error=exc.message)
+                await context.abort(exc.code, exc.message)
+
+    async def Tokenize(self, request, context):  # noqa: N802
+        async def body(request: pb.TokenizeRequest, request_id: str) -> pb.TokenizeResponse:
+            facts = self._require_facts()
+            validate_model(request.model, facts)
+            which = request.WhichOneof("input")
+            if which == "text":
+                add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
+                enc = await self._encode(tpb.EncodeRequest(text=request.text, add_special_tokens=add_special),
+                                         request_id, context)
+            elif which == "chat":
+                enc = await self._encode(tpb.EncodeRequest(chat=request.chat), request_id, context)
+            else:
+                raise invalid("input", "set `text` or `chat`")
+            return pb.TokenizeResponse(token_ids=enc.token_ids, prompt_text=enc.prompt_text)
+
+        return await self._unary(request, context, "Tokenize", body)
+
+    async def Detokenize(self, request, context):  # noqa: N802
+        async def body(request: pb.DetokenizeRequest, request_id: str) -> pb.DetokenizeResponse:
+            facts = self._require_facts()
+            validate_model(request.model, facts)
+            validate_token_ids(request.token_ids, facts, "token_ids")
+            try:
+                resp = await self.tok_stub.Decode(
+                    tpb.DecodeRequest(token_ids=request.token_ids, skip_special_tokens=request.skip_special_tokens),
+                    timeout=self.options.tokenizer_timeout, metadata=(("x-request-id", request_id),))
+            except grpc.aio.AioRpcError as exc:
+                raise self._tokenizer_error(exc, None) from None
+            return pb.DetokenizeResponse(text=resp.text)
+
+        return await self._unary(request, context, "Detokenize", body)
+
+    async def GetModelInfo(self, request, context):  # noqa: N802
+        async def body(request: pb.GetModelInfoRequest, request_id: str) -> pb.GetModelInfoResponse:
+            facts = self._require_facts()
+            validate_model(request.model, facts)
+            tok = self.tok_info
+            resp = pb.GetModelInfoResponse(
+                model=facts.name, vocab_size=facts.vocab_size, context_length=facts.context_limit,
+                eos_token_ids=facts.eos_token_ids, has_chat_template=tok.has_chat_template,
+                num_worker_groups=len(self.pool.groups))
+            if tok.HasField("bos_token_id"):
+                resp.bos_token_id = tok.bos_token_id
+            return resp
+
+        return await self._unary(request, context, "GetModelInfo", body)
+
+    async def ListWorkers(self, request, context):  # noqa: N802
+        async def body(request: pb.ListWorkersRequest, request_id: str) -> pb.ListWorkersResponse:
+            return pb.ListWorkersResponse(groups=[g.to_proto() for g in self.pool.groups])
+
+        return await self._unary(request, context, "ListWorkers", body)
+
+    # ---- registration ----------------------------------------------------------------------------
+
+    def handlers(self) -> dict[str, grpc.RpcMethodHandler]:
+        """Method handlers whose deserializers turn unparseable requests (e.g. invalid UTF-8 in a
+        string field) into INVALID_ARGUMENT instead of grpcio's UNKNOWN (router/wire.py)."""
+        def stream(fn, req, resp):
+            return grpc.unary_stream_rpc_method_handler(fn, request_deserializer=tolerant(req),
+                                                        response_serializer=resp.SerializeToString)
+
+        def unary(fn, req, resp):
+            return grpc.unary_unary_rpc_method_handler(fn, request_deserializer=tolerant(req),
+                                                       response_serializer=resp.SerializeToString)
+
+        return {
+            "Generate": stream(self.Generate, pb.GenerateRequest, pb.GenerateResponse),
+            "Chat": stream(self.Chat, pb.ChatRequest, pb.GenerateResponse),
+            "Tokenize": unary(self.Tokenize, pb.TokenizeRequest, pb.TokenizeResponse),
+            "Detokenize": unary(self.Detokenize, pb.DetokenizeRequest, pb.DetokenizeResponse),
+            "GetModelInfo": unary(self.GetModelInfo, pb.GetModelInfoRequest, pb.GetModelInfoResponse),
+            "ListWorkers": unary(self.ListWorkers, pb.ListWorkersRequest, pb.ListWorkersResponse),
+        }
+
+
+# ---- server lifecycle ----------------------------------------------------------------------------
+
+
+def _address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+@dataclass
+class RunningRouter:
+    server: grpc.aio.Server
+    port: int
+    servicer: RouterServicer
+    health: health.aio.HealthServicer
+
+    async def stop(self, grace: float | None = 5.0) -> None:
+        """NOT_SERVING, refuse new calls, let in-flight ones finish for `grace` seconds (then they
+        are cancelled, which aborts them on the workers), close the channels."""
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace)
+        await self.servicer.close()
+
+
+async def start_router(options: RouterOptions, host: str = "127.0.0.1", port: int = 0) -> RunningRouter:
+    server = grpc.aio.server(options=[
+        ("grpc.so_reuseport", 0),  # a second router on the same port fails instead of sharing it
+        ("grpc.max_receive_message_length", 64 << 20),  # long prompts (the worker accepts 64 MiB too)
+        ("grpc.max_send_message_length", 64 << 20),
+    ])
+    health_servicer = health.aio.HealthServicer()
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, _NOT_SERVING)
+    servicer = RouterServicer(options, health_servicer)
+    handlers = servicer.handlers()
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((SERVICE_NAME, "grpc.health.v1.Health", reflection.SERVICE_NAME), server)
+    bound = server.add_insecure_port(_address(host, port))
+    if bound == 0:
+        raise OSError(f"cannot listen on {_address(host, port)}")
+    await server.start()
+    servicer.start()
+    return RunningRouter(server, bound, servicer, health_servicer)
+
+
+async def _serve(options: RouterOptions, host: str, port: int, port_file: str | None, grace: float) -> int:
+    running = await start_router(options, host, port)
+    log.info("router listening", address=_address(host, running.port), tokenizer=options.tokenizer,
+             workers=list(options.workers), policy=options.policy)
+    if port_file:
+        tmp = Path(f"{port_file}.tmp")
+        tmp.write_text(f"{running.port}\n")
+        os.replace(tmp, port_file)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("router stopping", grace_s=grace)
+    await running.stop(grace)
+    return 0
+
+
+def serve(options: RouterOptions, host: str = "127.0.0.1", port: int = 0, port_file: str | None = None,
+          grace: float = 5.0) -> int:
+    """Serve until SIGINT or SIGTERM, then stop gracefully and return 0."""
+    return asyncio.run(_serve(options, host, port, port_file, grace))

@@ -1,0 +1,167 @@
+"""`llmserve serve`: the one-command local cluster (tokenizer, worker group(s), router as child
+processes), its demo, the client commands against it, clean SIGTERM shutdown and a dying child."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from llmserve.cli import main as cli_main
+from router.client import RouterClient
+
+ENGINE_FLAGS = ["--dtype", "float32", "--max-total-tokens", "1024", "--context-length", "256",
+                "--max-running-requests", "8"]
+STARTUP_S = 120.0
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+@dataclass
+class Serve:
+    proc: subprocess.Popen
+    lines: list[str] = field(default_factory=list)
+    err: list[str] = field(default_factory=list)
+
+    def wait_line(self, needle: str, timeout: float = STARTUP_S) -> str:
+        deadline = time.monotonic() + timeout
+        seen = 0
+        while time.monotonic() < deadline:
+            for line in self.lines[seen:]:
+                if needle in line:
+                    return line
+            seen = len(self.lines)
+            if self.proc.poll() is not None and seen == len(self.lines):
+                break
+            time.sleep(0.05)
+        raise AssertionError(f"no {needle!r} in serve output:\n{''.join(self.lines)}\nstderr:\n{''.join(self.err)}")
+
+    @property
+    def router(self) -> str:
+        return self.wait_line("router listening on").split()[-1]
+
+    def pids(self) -> dict[str, int]:
+        out = {}
+        for line in self.lines:
+            m = re.match(r"\s+(router|worker \d+|tokenizer)\s.*pid (\d+)\)", line)
+            if m:
+                out[m.group(1)] = int(m.group(2))
+        return out
+
+
+@pytest.fixture
+def serve(model_factory, tmp_path) -> Iterator:
+    started: list[Serve] = []
+
+    def start(*extra: str) -> Serve:
+        cmd = [sys.executable, "-m", "llmserve.cli", "serve", "--model", str(model_factory("tiny")), "--port", "0",
+               "--log-dir", str(tmp_path / f"logs{len(started)}"), "--probe-interval", "0.3", *ENGINE_FLAGS, *extra]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+        s = Serve(proc)
+        for stream, sink in ((proc.stdout, s.lines), (proc.stderr, s.err)):
+            threading.Thread(target=lambda st=stream, sk=sink: sk.extend(iter(st.readline, "")), daemon=True).start()
+        started.append(s)
+        return s
+
+    yield start
+    for s in started:
+        if s.proc.poll() is None:
+            s.proc.send_signal(signal.SIGTERM)
+            try:
+                s.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                s.proc.kill()
+        for pid in s.pids().values():
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "llmserve.cli", *args], capture_output=True, text=True,
+                          input=stdin, timeout=60)
+
+
+def test_serve_demo_clients_and_sigterm(serve) -> None:
+    s = serve("--demo-prompt", "Once upon a time", "--demo-max-new-tokens", "8")
+    s.wait_line("serving; Ctrl-C or SIGTERM stops the cluster")
+    out = "".join(s.lines)
+    assert "demo finished (length, 8 tokens)" in out and "llmserve generate --router" in out
+    pids = s.pids()
+    assert set(pids) == {"router", "worker 0", "tokenizer"} and all(_alive(p) for p in pids.values())
+    router = s.router
+    assert _cli("health", router).returncode == 0
+
+    with RouterClient(router, timeout=30) as client:
+        want = client.generate_text("Hello", max_new_tokens=6, temperature=0, ignore_eos=True)
+    gen = _cli("generate", "--router", router, "Hello", "--max-new-tokens", "6", "--temperature", "0",
+               "--ignore-eos", "-v")
+    assert gen.returncode == 0, gen.stderr
+    assert gen.stdout == want + "\n" and "finish=length" in gen.stderr and "completion_tokens=6" in gen.stderr
+    chat = _cli("chat", "--router", router, "--message", "Hi", "--max-new-tokens", "4", "-v")
+    assert chat.returncode == 0 and "finish=length" in chat.stderr, chat.stderr
+    piped = _cli("chat", "--router", router, "--max-new-tokens", "3", "-v", stdin="Hi\nAnd again\n")
+    assert piped.returncode == 0 and piped.stderr.count("finish=length") == 2, piped.stderr
+    bad = _cli("generate", "--router", router, "x", "--top-p", "2")
+    assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr and "top_p" in bad.stderr
+
+    s.proc.send_signal(signal.SIGTERM)
+    assert s.proc.wait(60) == 0, "".join(s.err)
+    assert "llmserve serve: stopped" in "".join(s.lines)
+    assert not any(_alive(p) for p in pids.values())
+
+
+def test_serve_exits_nonzero_when_a_child_dies(serve) -> None:
+    s = serve()
+    s.wait_line("serving; Ctrl-C or SIGTERM stops the cluster")
+    pids = s.pids()
+    os.kill(pids["worker 0"], signal.SIGKILL)
+    assert s.proc.wait(60) == 1
+    err = "".join(s.err)
+    assert "worker 0 exited with code -9" in err and "last lines of its log" in err
+    assert "worker_svc" in err  # the child's own log lines are shown
+    assert not any(_alive(p) for p in pids.values())
+
+
+def test_serve_exit_after_demo(serve) -> None:
+    s = serve("--demo-prompt", "The capital of France is", "--demo-max-new-tokens", "4", "--exit-after-demo")
+    assert s.proc.wait(STARTUP_S) == 0, "".join(s.err)
+    out = "".join(s.lines)
+    assert "demo finished (length, 4 tokens)" in out and "serving; Ctrl-C" not in out
+    assert not any(_alive(p) for p in s.pids().values())
+
+
+def test_serve_rejects_tensor_parallel_for_now(model_factory, capsys) -> None:
+    assert cli_main(["serve", "--model", str(model_factory("tiny")), "--tp", "2"]) == 2
+    assert "--tp 2" in capsys.readouterr().err
+    assert cli_main(["serve", "--model", str(model_factory("tiny")), "--dp", "0"]) == 2
+
+
+def test_serve_passes_every_engine_flag_to_its_workers() -> None:
+    from llmserve.cli import build_parser
+    from llmserve.serve_command import _engine_argv
+    from worker_svc.cli_args import engine_config_from_args
+
+    flags = ["--dtype", "float32", "--max-total-tokens", "64", "--context-length", "32", "--random-seed", "7",
+             "--json-model-override-args", '{"rope_theta": 10000}', "--max-running-requests", "3"]
+    serve_args = build_parser().parse_args(["serve", "--model", "/m", "--dp", "2", "--port", "0", *flags])
+    argv = _engine_argv(serve_args)
+    worker_args = build_parser().parse_args(["worker", "--model", "/m", *argv])
+    assert engine_config_from_args(worker_args) == engine_config_from_args(serve_args)
+    assert "--dp" not in argv and "--port" not in argv
+    assert _engine_argv(build_parser().parse_args(["serve", "--model", "/m"])) == []  # defaults stay implicit
