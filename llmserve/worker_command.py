@@ -1,10 +1,20 @@
-"""`llmserve worker`: one model worker serving sglang.grpc.scheduler.SglangScheduler (TP size 1).
+"""`llmserve worker`: one model worker serving sglang.grpc.scheduler.SglangScheduler.
 
     llmserve worker --model DIR --host 127.0.0.1 --port 30001 [engine flags] [--log-json]
 
 Builds the engine (model load, KV pool), serves until SIGINT/SIGTERM, then drains and exits 0.
 With ``--port 0`` the OS picks a free port; the bound address is logged and printed, and written to
 ``--port-file`` (atomically) once the server accepts calls.
+
+Tensor parallelism (worker_svc/tp_worker.py):
+
+    llmserve worker --tp 2 ...                       # one machine: rank 0 starts ranks 1.. itself
+    llmserve worker --tp-size 2 --tp-rank R --dist-init-addr HOST:PORT ...   # one process per rank
+
+Rank 0 serves SglangScheduler + grpc.health.v1 on --port; ranks > 0 serve only grpc.health.v1 on
+their own --port (SERVING while their step loop runs) and never talk to a router. A dead or hung
+rank is detected within --tp-timeout seconds: the leader then reports NOT_SERVING (and fails
+in-flight requests with UNAVAILABLE) until signalled, and exits 1; followers exit 1.
 """
 
 from __future__ import annotations
@@ -32,18 +42,73 @@ def _write_port_file(path: str, port: int) -> None:
     os.replace(tmp, target)
 
 
+def _tp_layout(args: argparse.Namespace) -> tuple[int, int, str | None]:
+    """(size, rank, init address); single-machine ``--tp N`` picks a loopback address."""
+    size = args.tp_size or 1
+    if size < 1:
+        raise ValueError("--tp must be at least 1")
+    if not 0 <= args.tp_rank < size:
+        raise ValueError(f"--tp-rank {args.tp_rank} out of range for --tp {size}")
+    if size > 1 and args.dist_init_addr is None:
+        if args.tp_rank != 0:
+            raise ValueError("--tp-rank > 0 needs --dist-init-addr (the leader's rendezvous address)")
+        from worker_svc.tp_group import free_port
+
+        return size, 0, f"127.0.0.1:{free_port()}"
+    return size, args.tp_rank, args.dist_init_addr
+
+
 async def _serve(args: argparse.Namespace) -> int:
     from worker_svc.engine import Engine
     from worker_svc.server import WorkerOptions, WorkerServer
 
     config = engine_config_from_args(args)
-    engine = await asyncio.to_thread(Engine, config)
+    size, rank, init_addr = _tp_layout(args)
+    if rank > 0:
+        from worker_svc.tp_worker import serve_follower
+
+        def listening(port: int) -> None:
+            if args.port_file:
+                _write_port_file(args.port_file, port)
+            print(f"llmserve worker (tp rank {rank}/{size}, health only) listening on {args.host}:{port}", flush=True)
+
+        return await serve_follower(
+            config, rank, size, init_addr, args.host, args.port, args.tp_timeout, args.tp_connect_timeout,
+            args.shutdown_grace, listening,
+        )
+
+    leader = None
+    engine_loop = None
+    if size > 1:
+        from worker_svc.cli_args import engine_argv
+        from worker_svc.tp_worker import TPLeader, spawn_follower_processes
+
+        children = []
+        if args.dist_init_addr is None:  # single-machine mode: this process starts the other ranks
+            shared = engine_argv(args) + ["--log-level", args.log_level, "--tp-timeout", str(args.tp_timeout),
+                                          "--shutdown-grace", str(args.shutdown_grace)]
+            children = spawn_follower_processes(size, init_addr, shared + (["--log-json"] if args.log_json else []))
+        try:
+            leader = await asyncio.to_thread(
+                TPLeader.start, config, size, init_addr, args.tp_timeout, args.tp_connect_timeout, children
+            )
+        except BaseException:
+            for child in children:
+                child.kill()
+                child.wait()
+            raise
+        engine = leader.engine
+        engine_loop = leader.engine_loop()
+    else:
+        engine = await asyncio.to_thread(Engine, config)
+    if args.debug_step_delay:
+        _slow_down(engine, args.debug_step_delay)
     options = WorkerOptions(
         served_model_name=args.served_model_name or Path(config.model_path).resolve().name,
         advertised_model_path=args.advertised_model_path,
         health_probe_timeout_s=args.health_probe_timeout,
     )
-    server = WorkerServer(engine, host=args.host, port=args.port, options=options)
+    server = WorkerServer(engine, host=args.host, port=args.port, options=options, engine_loop=engine_loop)
     port = await server.start()
     if args.port_file:
         _write_port_file(args.port_file, port)
@@ -56,7 +121,23 @@ async def _serve(args: argparse.Namespace) -> int:
     await stop.wait()
     log.info("signal received; shutting down")
     await server.stop(args.shutdown_grace)
+    if leader is not None:
+        return await asyncio.to_thread(leader.shutdown)
     return 0
+
+
+def _slow_down(engine, delay_s: float) -> None:
+    """Test hook (--debug-step-delay): sleep before every forward step, so a generation stays in flight."""
+    import time
+
+    runner = engine.runner
+    forward = runner.forward
+
+    def slow_forward(step):
+        time.sleep(delay_s)
+        return forward(step)
+
+    runner.forward = slow_forward
 
 
 def run(args: argparse.Namespace) -> int:
@@ -93,7 +174,20 @@ def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") 
                    help="seconds the idle health check's one-token generation may take")
     g.add_argument("--shutdown-grace", type=float, default=5.0, metavar="S",
                    help="seconds in-flight calls may run on after SIGTERM before they are aborted")
+    g.add_argument("--debug-step-delay", type=float, default=0.0, metavar="S", help=argparse.SUPPRESS)
     g.add_argument("--log-json", action="store_true", help="JSON log lines")
     g.add_argument("--log-level", choices=LOG_LEVELS, default="info")
+    t = p.add_argument_group("tensor parallelism")
+    t.add_argument("--tp", "--tp-size", dest="tp_size", type=int, default=1, metavar="N",
+                   help="tensor-parallel ranks. Without --dist-init-addr, this process is rank 0 and starts "
+                   "ranks 1..N-1 itself on this machine")
+    t.add_argument("--tp-rank", type=int, default=0, metavar="R",
+                   help="this process's rank (one process per rank, e.g. one container each); 0 serves gRPC")
+    t.add_argument("--dist-init-addr", default=None, metavar="HOST:PORT",
+                   help="rank 0's rendezvous address (every rank passes the same one)")
+    t.add_argument("--tp-timeout", type=float, default=15.0, metavar="S",
+                   help="a dead or hung rank is detected within this many seconds (heartbeat and collective timeout)")
+    t.add_argument("--tp-connect-timeout", type=float, default=300.0, metavar="S",
+                   help="how long ranks wait for each other at start-up (rendezvous and model load)")
     p.set_defaults(func=run)
 

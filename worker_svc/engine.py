@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from dataclasses import dataclass
+from typing import Any
 
 from worker_svc.engine_config import EngineConfig
 from worker_svc.request import FinishReason, Request
@@ -29,9 +30,12 @@ class GenerationResult:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, tp: TPContext | None = None) -> None:
+    """``runner`` injects a prebuilt runner (a tensor-parallel leader passes a ``LeaderRunner``, which
+    broadcasts every step to the followers); by default the engine builds a ``ModelRunner``."""
+
+    def __init__(self, config: EngineConfig, tp: TPContext | None = None, runner: Any = None) -> None:
         self.config = config
-        self.runner = ModelRunner(config, tp)
+        self.runner = runner if runner is not None else ModelRunner(config, tp)
         self.scheduler = Scheduler(self.runner)
         self._ids = itertools.count()
 

@@ -7,7 +7,12 @@ thread-safe (the server's sinks do ``loop.call_soon_threadsafe(queue.put_nowait,
 The thread sleeps on a condition variable while the scheduler has nothing to do: no busy spin.
 If ``step()`` raises, the engine is in an unknown state: every in-flight request gets an
 :class:`EngineUnavailable` in its sink, the loop stops for good and the failure callbacks run (the
-server turns its health to NOT_SERVING). A tensor-parallel leader later wraps the same object.
+server turns its health to NOT_SERVING). Another thread can fail the loop the same way with
+:meth:`EngineLoop.fail` (a tensor-parallel leader's heartbeat monitor does, when a follower dies).
+
+``idle_tick`` (with ``idle_interval_s``) runs on the engine thread whenever it has been idle that long:
+a tensor-parallel leader sends its followers a keepalive there, so every collective comes within the
+process group's timeout and all collectives stay on this one thread.
 """
 
 from __future__ import annotations
@@ -68,8 +73,16 @@ class LoadSnapshot:
 
 
 class EngineLoop:
-    def __init__(self, engine: Engine, name: str = "engine-loop") -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        name: str = "engine-loop",
+        idle_tick: Callable[[], None] | None = None,
+        idle_interval_s: float = 5.0,
+    ) -> None:
         self.engine = engine
+        self._idle_tick = idle_tick
+        self._idle_interval_s = idle_interval_s
         self.scheduler = engine.scheduler
         self._cv = threading.Condition()
         self._sinks: dict[str, Sink] = {}
@@ -101,6 +114,17 @@ class EngineLoop:
     @property
     def healthy(self) -> bool:
         return self._state is LoopState.RUNNING and self._thread.is_alive()
+
+    @property
+    def thread_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def fail(self, exc: BaseException) -> None:
+        """Fail the loop from any thread: in-flight requests get EngineUnavailable, the failure
+        callbacks run, the engine thread exits after its current step. Idempotent."""
+        self._fail(exc)
+        with self._cv:
+            self._cv.notify_all()
 
     def on_failure(self, callback: Callable[[BaseException], None]) -> None:
         """Run ``callback(exc)`` (on the engine thread) if a step raises."""
@@ -179,18 +203,37 @@ class EngineLoop:
     # ---- the engine thread -----------------------------------------------------------------------
 
     def _run(self) -> None:
+        last_activity = time.monotonic()
         try:
             while True:
+                tick = False
                 with self._cv:
                     while not self.scheduler.has_work() and not self._stop_requested:
-                        self._cv.wait()
-                    if not self.scheduler.has_work():
+                        if self._state is LoopState.FAILED:
+                            return
+                        if self._idle_tick is None:
+                            self._cv.wait()
+                            continue
+                        left = last_activity + self._idle_interval_s - time.monotonic()
+                        if left <= 0:
+                            tick = True
+                            break
+                        self._cv.wait(left)
+                    if self._state is LoopState.FAILED:
+                        return
+                    if not tick and not self.scheduler.has_work():
                         break  # stop requested and nothing left
+                if tick:
+                    self._idle_tick()
+                    last_activity = time.monotonic()
+                    continue
                 self.step_started_at = time.monotonic()
                 outputs = self.scheduler.step()
-                self.last_step_end = time.monotonic()
+                self.last_step_end = last_activity = time.monotonic()
                 self.step_started_at = None
                 self.step_count += 1
+                if self._state is LoopState.FAILED:  # failed from another thread during the step
+                    return
                 self._dispatch(outputs)
         except BaseException as exc:  # noqa: BLE001 - any escape leaves the engine in an unknown state
             self.step_started_at = None
@@ -224,8 +267,11 @@ class EngineLoop:
             log.exception("request output sink failed", rid=rid)
 
     def _fail(self, exc: BaseException) -> None:
-        log.error("engine step failed; failing in-flight requests", error=repr(exc), exc_info=exc)
         with self._cv:
+            if self._state is LoopState.FAILED:  # already failed (e.g. from another thread first)
+                log.info("engine loop already failed", error=repr(exc))
+                return
+            log.error("engine failed; failing in-flight requests", error=repr(exc), exc_info=exc)
             self.error = exc
             self._state = LoopState.FAILED
             failed, self._sinks = self._sinks, {}

@@ -22,7 +22,7 @@ import torch
 
 from worker_svc.forward_batch import ForwardMode
 from worker_svc.request import FinishReason, Request, RequestError, StepOutput
-from worker_svc.runner import ModelRunner, StepInput
+from worker_svc.runner import FatalStepError, ModelRunner, StepInput
 from worker_svc.sampling import SampleOutput, Sampler, SamplingBatch, SamplingParamError
 
 log = structlog.get_logger(__name__)
@@ -245,7 +245,9 @@ class Scheduler:
             return []
         try:
             logits = self.runner.forward(step)
-        except Exception as exc:  # a failed step fails its own requests, never the engine
+        except Exception as exc:  # a failed step fails its own requests, never the engine...
+            if isinstance(exc, FatalStepError):  # ...unless the engine itself is broken
+                raise
             log.exception("forward step failed", mode=mode.value, batch=len(batch))
             self.allocator.free(step.out_slots)
             return [self._finish(req, FinishReason.ABORT, error=f"internal error: {exc}") for req, _ in batch]

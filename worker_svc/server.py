@@ -339,6 +339,11 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
             architectures=list(cfg.raw.get("architectures") or [cfg.architecture]),
         )
 
+    @property
+    def tp_size(self) -> int:
+        tp = getattr(self.runner, "tp", None)
+        return tp.size if tp is not None else 1
+
     def server_args(self) -> dict[str, Any]:
         args = asdict(self.engine.config)
         # The path is this host's; a gateway reads server_args too (its worker labels), so it is
@@ -346,7 +351,7 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
         args["model_path"] = self.options.advertised_model_path
         args.update(
             served_model_name=self.options.served_model_name,
-            tp_size=1,
+            tp_size=self.tp_size,
             dp_size=1,
             pp_size=1,
             page_size=1,
@@ -372,7 +377,7 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
             "dtype": str(runner.dtype).removeprefix("torch."),
             "device": str(runner.device),
             "architecture": self.model_config.architecture,
-            "tp_size": 1,
+            "tp_size": self.tp_size,
             "page_size": 1,
         }
 
@@ -480,15 +485,22 @@ class WorkerServer:
     """The engine loop plus a grpc.aio server with the scheduler and health services."""
 
     def __init__(
-        self, engine: Engine, host: str = "127.0.0.1", port: int = 0, options: WorkerOptions | None = None
+        self,
+        engine: Engine,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        options: WorkerOptions | None = None,
+        engine_loop: EngineLoop | None = None,
     ) -> None:
+        """``engine_loop``: a prebuilt loop over ``engine`` (a tensor-parallel leader's, with its
+        keepalive tick); by default a plain ``EngineLoop(engine)``."""
         self.host = host
         self.requested_port = port
         self.port: int | None = None
         if options is None:
             options = WorkerOptions(served_model_name=Path(engine.config.model_path).name)
         self.options = options
-        self.loop = EngineLoop(engine)
+        self.loop = engine_loop if engine_loop is not None else EngineLoop(engine)
         self.servicer = SchedulerServicer(self.loop, options)
         self.health: WorkerHealth | None = None
         self.server: grpc.aio.Server | None = None

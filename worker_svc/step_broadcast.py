@@ -5,7 +5,9 @@ A ``StepInput`` packs into one int64 tensor::
     [mode, num_tokens, batch, input_ids[n], positions[n], out_slots[n], req_rows[b], seq_lens[b], prefix_lens[b]]
 
 Each step costs two broadcasts from rank 0: the 3-element header (mode, n, b), then the payload of
-3n + 3b values. ``STOP`` is a header alone and ends a follower's loop. Every rank then runs the same
+3n + 3b values. ``STOP`` is a header alone and ends a follower's loop; ``KEEPALIVE`` is a header alone
+that a follower skips (an idle leader sends one every few seconds, so the process group's collective
+timeout can be short and still catch a dead or hung peer while nothing is being generated). Every rank then runs the same
 forward (collectives inside the layers) and computes the same gathered logits; only the leader samples.
 """
 
@@ -17,13 +19,14 @@ import torch
 import torch.distributed as dist
 
 from worker_svc.forward_batch import ForwardMode
-from worker_svc.runner import StepInput
+from worker_svc.runner import FatalStepError, StepInput
 from worker_svc.tp import TPContext
 
 HEADER_LEN = 3
 _MODE_CODES = {ForwardMode.EXTEND: 0, ForwardMode.DECODE: 1}
 _CODE_MODES = {code: mode for mode, code in _MODE_CODES.items()}
 STOP_CODE = 2
+KEEPALIVE_CODE = 3
 
 
 def pack_step(step: StepInput) -> torch.Tensor:
@@ -51,6 +54,14 @@ def unpack_step(packed: torch.Tensor, device: torch.device | str = "cpu") -> Ste
     if code == STOP_CODE:
         return None
     return _from_payload(code, n, b, packed[HEADER_LEN:], device)
+
+
+def broadcast_keepalive(tp: TPContext) -> None:
+    """Leader side: one header-only broadcast the followers skip (1 collective)."""
+    if tp.size == 1:
+        return
+    dev = _comm_device(tp)
+    dist.broadcast(torch.tensor([KEEPALIVE_CODE, 0, 0], dtype=torch.int64, device=dev), src=0, group=tp.group)
 
 
 def _from_payload(code: int, n: int, b: int, payload: torch.Tensor, device: Any) -> StepInput:
@@ -92,11 +103,14 @@ def broadcast_step(tp: TPContext, step: StepInput | None) -> None:
 
 
 def receive_step(tp: TPContext, device: torch.device | str = "cpu") -> StepInput | None:
-    """Follower side: the leader's next step, or ``None`` on STOP."""
+    """Follower side: the leader's next step, or ``None`` on STOP (keepalives are skipped)."""
     dev = _comm_device(tp)
     header = torch.empty(HEADER_LEN, dtype=torch.int64, device=dev)
-    dist.broadcast(header, src=0, group=tp.group)
-    code, n, b = (int(v) for v in header.tolist())
+    while True:
+        dist.broadcast(header, src=0, group=tp.group)
+        code, n, b = (int(v) for v in header.tolist())
+        if code != KEEPALIVE_CODE:
+            break
     if code == STOP_CODE:
         return None
     payload = torch.empty(3 * n + 3 * b, dtype=torch.int64, device=dev)
@@ -122,6 +136,10 @@ class FollowerLoop:
         return self.steps
 
 
+class TPGroupFailed(FatalStepError):
+    """A tensor-parallel peer died or hung (or a step failed on one rank): the group cannot run steps."""
+
+
 class LeaderRunner:
     """Wraps the leader's ``ModelRunner``: ``forward`` broadcasts the step, then runs it locally.
 
@@ -135,15 +153,34 @@ class LeaderRunner:
         self.runner = runner
         self.tp = tp
         self.stopped = False
+        self.broken: BaseException | None = None
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.runner, name)
 
-    def forward(self, step: StepInput) -> torch.Tensor:
+    def _guarded(self, fn, *args: Any) -> Any:
+        """Any failure here leaves the ranks out of step (a peer is gone, or waits in a collective this
+        rank will never join), so it breaks the group for good: TPGroupFailed, now and on every call."""
         if self.stopped:
             raise RuntimeError("the followers were already stopped")
-        broadcast_step(self.tp, step)
-        return self.runner.forward(step)
+        if self.broken is not None:
+            raise TPGroupFailed(f"tensor-parallel group is broken: {self.broken!r}")
+        try:
+            return fn(*args)
+        except Exception as exc:
+            self.broken = exc
+            raise TPGroupFailed(f"tensor-parallel step failed: {exc}") from exc
+
+    def forward(self, step: StepInput) -> torch.Tensor:
+        def run() -> torch.Tensor:
+            broadcast_step(self.tp, step)
+            return self.runner.forward(step)
+
+        return self._guarded(run)
+
+    def keepalive(self) -> None:
+        """An idle tick: a header the followers skip, so no collective waits past the group timeout."""
+        self._guarded(broadcast_keepalive, self.tp)
 
     def stop_followers(self) -> None:
         """Send STOP once; the followers' loops return."""

@@ -18,6 +18,7 @@ class TPContext:
     rank: int = 0
     size: int = 1
     group: Any = None  # torch.distributed ProcessGroup, None when size == 1
+    store: Any = None  # the rendezvous torch.distributed.Store (barriers, address exchange); None when size == 1
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.size:

@@ -44,6 +44,8 @@ def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") 
                    help="tensor-parallel ranks: this process leads, N-1 followers are spawned")
     p.add_argument("--tp-init-addr", default=None, metavar="HOST:PORT",
                    help="--tp: rendezvous address (default: a free port on 127.0.0.1)")
+    p.add_argument("--profile-collectives", action="store_true",
+                   help="--tp: time the leader's collectives (all-reduce, all-gather, step broadcast) per step")
     p.set_defaults(func=run)
 
 
@@ -77,6 +79,8 @@ def _run_tp(engine, args: argparse.Namespace) -> int:
     try:
         engine = dataclasses.replace(engine, device=str(rank_device(engine.device, 0)))
         runner = LeaderRunner(ModelRunner(engine, tp), tp)
+        if args.profile_collectives:
+            runner.collective_profiler = CollectiveProfiler(runner)
         try:
             return correctness(runner, args) if args.correct else latency(runner, args)
         finally:
@@ -84,6 +88,63 @@ def _run_tp(engine, args: argparse.Namespace) -> int:
     finally:
         destroy_tp(tp)
         join_followers(followers)
+
+
+class CollectiveProfiler:
+    """Times the leader's collectives: ``TPContext.all_reduce`` / ``all_gather_last_dim`` (wrapped on
+    the layers' context object) and the step broadcast (the LeaderRunner's forward minus the wrapped
+    runner's). Synchronous collectives only: the time is the call's wall time."""
+
+    def __init__(self, leader) -> None:
+        self.totals: dict[str, float] = {}
+        self.counts: dict[str, int] = {}
+        tp = leader.tp
+        for name, label in (("all_reduce", "all_reduce"), ("all_gather_last_dim", "all_gather")):
+            object.__setattr__(tp, name, self._timed(getattr(tp, name), label))  # TPContext is frozen
+        inner = leader.runner
+        inner_forward = inner.forward
+        outer_forward = leader.forward
+        local = {"t": 0.0}
+
+        def timed_inner(step):
+            tick = time.perf_counter()
+            try:
+                return inner_forward(step)
+            finally:
+                local["t"] = time.perf_counter() - tick
+
+        def timed_outer(step):
+            tick = time.perf_counter()
+            out = outer_forward(step)
+            self._add("broadcast", time.perf_counter() - tick - local["t"], 2)
+            return out
+
+        inner.forward = timed_inner
+        leader.forward = timed_outer
+
+    def _add(self, label: str, seconds: float, calls: int = 1) -> None:
+        self.totals[label] = self.totals.get(label, 0.0) + seconds
+        self.counts[label] = self.counts.get(label, 0) + calls
+
+    def _timed(self, fn, label: str):
+        def timed(*args, **kwargs):
+            tick = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._add(label, time.perf_counter() - tick)
+
+        return timed
+
+    def reset(self) -> None:
+        self.totals.clear()
+        self.counts.clear()
+
+    def per_step(self, steps: int) -> dict:
+        """{label: {"calls": per step, "ms": per step}} plus the total over all labels."""
+        out = {k: {"calls": self.counts[k] / steps, "ms": 1e3 * self.totals[k] / steps} for k in self.totals}
+        out["total"] = {"calls": sum(v["calls"] for v in out.values()), "ms": sum(v["ms"] for v in out.values())}
+        return out
 
 
 # ---- correctness ----------------------------------------------------------------------------------
@@ -145,11 +206,18 @@ def _timed_run(runner: ModelRunner, batch_size: int, input_len: int, output_len:
     generator = torch.Generator().manual_seed(0)
     vocab = runner.config.vocab_size
     prompts = torch.randint(0, vocab, (batch_size, input_len), generator=generator).tolist()
+    profiler = getattr(runner, "collective_profiler", None)
+    comm: dict = {}
     batch = StaticBatch(runner, batch_size)
     try:
+        if profiler is not None:
+            profiler.reset()
         start = time.perf_counter()
         logits = batch.extend(prompts)
         prefill = time.perf_counter() - start
+        if profiler is not None:
+            comm["prefill"] = profiler.per_step(1)
+            profiler.reset()
         if not quiet:
             print(f"Prefill. latency: {prefill:6.5f} s, throughput: {batch_size * input_len / prefill:9.2f} token/s")
         decode_times = []
@@ -161,6 +229,8 @@ def _timed_run(runner: ModelRunner, batch_size: int, input_len: int, output_len:
                 print(f"Decode.  latency: {decode_times[-1]:6.5f} s, "
                       f"throughput: {batch_size / decode_times[-1]:9.2f} token/s")
         total = time.perf_counter() - start
+        if profiler is not None and decode_times:
+            comm["decode"] = profiler.per_step(len(decode_times))
     finally:
         batch.release()
     median = statistics.median(decode_times) if decode_times else float("nan")
@@ -168,7 +238,15 @@ def _timed_run(runner: ModelRunner, batch_size: int, input_len: int, output_len:
         print(f"Decode.  median latency: {median:6.5f} s, median throughput: {batch_size / median:9.2f} token/s")
         print(f"Total. latency: {total:6.3f} s, throughput: "
               f"{batch_size * (input_len + output_len) / total:9.2f} token/s")
+    for phase, stats in comm.items():
+        step_ms = 1e3 * (prefill if phase == "prefill" else statistics.mean(decode_times))
+        if not quiet:
+            print(f"Collectives ({phase}, per step): " + ", ".join(
+                f"{k} {v['calls']:.0f} x = {v['ms']:.2f} ms" for k, v in stats.items())
+                + f" of {step_ms:.2f} ms ({100 * stats['total']['ms'] / step_ms:.0f}%)")
+        stats["step_ms"] = step_ms
     return {
+        "collectives": comm,
         "batch_size": batch_size, "input_len": input_len, "output_len": output_len,
         "prefill_latency": prefill, "prefill_throughput": batch_size * input_len / prefill,
         "median_decode_latency": median, "median_decode_throughput": batch_size / median,
