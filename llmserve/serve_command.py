@@ -40,7 +40,8 @@ def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") 
     add_engine_args(p)
     g = p.add_argument_group("cluster")
     g.add_argument("--dp", type=int, default=1, metavar="M", help="data-parallel worker groups (default 1)")
-    g.add_argument("--tp", type=int, default=1, metavar="N", help="tensor-parallel ranks per group (only 1 for now)")
+    g.add_argument("--tp", type=int, default=1, metavar="N",
+                   help="tensor-parallel ranks per worker group (each group's rank 0 starts its followers)")
     g.add_argument("--host", default="127.0.0.1", help="address every process listens on (default 127.0.0.1)")
     g.add_argument("--port", type=int, default=DEFAULT_ROUTER_PORT,
                    help=f"the router's port (default {DEFAULT_ROUTER_PORT}; 0: any free port)")
@@ -224,9 +225,8 @@ def _demo(router: str, args: argparse.Namespace) -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.tp != 1:
-        print(f"llmserve serve: --tp {args.tp}: tensor parallelism is not available yet; only --tp 1 is supported",
-              file=sys.stderr)
+    if args.tp < 1:
+        print(f"llmserve serve: --tp must be >= 1, got {args.tp}", file=sys.stderr)
         return 2
     if args.dp < 1:
         print(f"llmserve serve: --dp must be >= 1, got {args.dp}", file=sys.stderr)
@@ -255,7 +255,7 @@ def _run_cluster(args: argparse.Namespace, model: Path, log_dir: Path, stop: thr
     worker_env = dict(base_env)
     if "OMP_NUM_THREADS" not in os.environ and args.device == "cpu":
         # M workers on one machine share its cores; unbounded OpenMP pools would oversubscribe it.
-        worker_env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // args.dp))
+        worker_env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // (args.dp * args.tp)))
     served = args.served_model_name or model.name
 
     tokenizer = Child("tokenizer", py + ["tokenizer", "--model", str(model), "--host", args.host, "--port", "0",
@@ -264,7 +264,7 @@ def _run_cluster(args: argparse.Namespace, model: Path, log_dir: Path, stop: thr
     workers = [
         Child(f"worker {i}", py + ["worker", "--model", str(model), "--host", args.host, "--port", "0",
                                    "--port-file", str(log_dir / f"worker{i}.port"), "--served-model-name", served,
-                                   *_engine_argv(args), *common],
+                                   *(["--tp", str(args.tp)] if args.tp > 1 else []), *_engine_argv(args), *common],
               log_dir / f"worker{i}.log", log_dir / f"worker{i}.port", worker_env)
         for i in range(args.dp)
     ]

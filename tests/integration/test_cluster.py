@@ -146,10 +146,17 @@ def test_serve_exit_after_demo(serve) -> None:
     assert not any(_alive(p) for p in s.pids().values())
 
 
-def test_serve_rejects_tensor_parallel_for_now(model_factory, capsys) -> None:
-    assert cli_main(["serve", "--model", str(model_factory("tiny")), "--tp", "2"]) == 2
-    assert "--tp 2" in capsys.readouterr().err
+def test_serve_rejects_bad_group_shapes(model_factory, capsys) -> None:
+    assert cli_main(["serve", "--model", str(model_factory("tiny")), "--tp", "0"]) == 2
+    assert "--tp" in capsys.readouterr().err
     assert cli_main(["serve", "--model", str(model_factory("tiny")), "--dp", "0"]) == 2
+
+
+def test_serve_with_tensor_parallel_groups(serve) -> None:
+    s = serve("--tp", "2", "--demo-prompt", "Once upon a time", "--demo-max-new-tokens", "6", "--exit-after-demo")
+    assert s.proc.wait(STARTUP_S) == 0, "".join(s.err)
+    assert "demo finished (length, 6 tokens)" in "".join(s.lines)
+    assert not any(_alive(p) for p in s.pids().values())
 
 
 def test_serve_passes_every_engine_flag_to_its_workers() -> None:

@@ -83,7 +83,18 @@ def test_compose_addresses_match_listening_ports(config: dict) -> None:
     r = parsed[router]
     deps = services[router]["depends_on"]
     needed = [target(r.tokenizer, "tokenizer")] + [target(w, "worker") for w in r.workers]
-    # Every tokenizer and worker service is one the router uses.
+    # Tensor-parallel followers: same group (init address), same engine flags, distinct ranks.
+    for leader in [n for n in needed if parsed[n].command == "worker"]:
+        group = [n for n, a in parsed.items() if a.command == "worker"
+                 and a.dist_init_addr == parsed[leader].dist_init_addr]
+        ranks = sorted(parsed[n].tp_rank for n in group)
+        assert ranks == list(range(parsed[leader].tp_size)) and parsed[leader].tp_rank == 0, group
+        assert all(parsed[n].tp_size == parsed[leader].tp_size and parsed[n].model == parsed[leader].model
+                   for n in group)
+        host, port = _split(parsed[leader].dist_init_addr)
+        assert by_host[host] == leader and str(port) in [str(p) for p in services[leader]["expose"]]
+        needed += [n for n in group if n != leader]
+    # Every tokenizer and worker service is one the router uses (directly, or as a follower rank).
     assert {n for n, a in parsed.items() if a.command in ("tokenizer", "worker")} == set(needed)
     for name in needed:
         assert deps[name]["condition"] == "service_healthy", (name, deps)

@@ -134,12 +134,17 @@ def wait_for(predicate, timeout: float = 15.0, interval: float = 0.05, what: str
         time.sleep(interval)
 
 
-@pytest.fixture(scope="module")
-def cluster(model_factory, tmp_path_factory) -> Iterator[Cluster]:
+@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
+def cluster(request, model_factory, tmp_path_factory) -> Iterator[Cluster]:
+    """Two worker groups behind the router; with tp2 each group is two tensor-parallel ranks, and
+    every test must give the same answers as the in-process TP=1 engine."""
+    tp = request.param
     model = model_factory("tiny")
-    workdir = tmp_path_factory.mktemp("cluster")
+    workdir = tmp_path_factory.mktemp(f"cluster-tp{tp}")
     tokenizer = spawn("tokenizer", ["tokenizer", "--model", str(model)], workdir)
-    workers = [spawn(f"worker{i}", ["worker", "--model", str(model), *engine_flags()], workdir) for i in range(2)]
+    tp_flags = ["--tp", str(tp)] if tp > 1 else []
+    workers = [spawn(f"worker{i}", ["worker", "--model", str(model), *engine_flags(), *tp_flags], workdir)
+               for i in range(2)]
     procs = [tokenizer, *workers]
     try:
         deadline = time.monotonic() + 120
