@@ -76,14 +76,22 @@ def check_runnable(config: QuantConfig, device: torch.device) -> None:
 
 
 class Int8WeightOnlyKernel:
-    """Per-output-channel symmetric int8 weights; activations stay in the model dtype."""
+    """Per-output-channel symmetric int8 weights; activations stay in the model dtype.
 
-    def __init__(self, weight: torch.Tensor, dtype: torch.dtype) -> None:
+    ``row_absmax`` ([out]) overrides the channel range: a row-parallel shard passes the max over
+    all ranks, so its scales, and hence its quantized values, equal an unsharded quantization.
+    """
+
+    def __init__(self, weight: torch.Tensor, dtype: torch.dtype, row_absmax: torch.Tensor | None = None) -> None:
         w32 = weight.float()
         self.block = (1, w32.shape[1])
-        self.scale, self.zero = choose_qparams_affine(
-            w32, MappingType.SYMMETRIC, self.block, torch.int8, -127, 127, eps=1e-9, scale_dtype=torch.float32
-        )
+        if row_absmax is None:
+            self.scale, self.zero = choose_qparams_affine(
+                w32, MappingType.SYMMETRIC, self.block, torch.int8, -127, 127, eps=1e-9, scale_dtype=torch.float32
+            )
+        else:  # choose_qparams_affine's symmetric rule, on the all-rank range
+            self.scale = (row_absmax.float() / 127).clamp(min=1e-9).reshape(-1, 1)
+            self.zero = torch.zeros_like(self.scale, dtype=torch.int32)
         self.qweight = quantize_affine(w32, self.block, self.scale, self.zero, torch.int8, -127, 127)  # [N, K]
         self.kernel_scale = self.scale.reshape(-1).to(dtype)  # [N]
         self.nbytes = self.qweight.numel() + self.kernel_scale.numel() * self.kernel_scale.element_size()
@@ -180,10 +188,22 @@ def check_alignment(model: nn.Module, config: QuantConfig, tp_size: int, include
             )
 
 
+def _row_absmax_over_ranks(module: nn.Module) -> torch.Tensor | None:
+    """For a row-parallel shard, each output row's |max| over every rank's columns."""
+    from worker_svc.layers.linear import RowParallelLinear
+
+    if not isinstance(module, RowParallelLinear) or module.tp.size == 1:
+        return None
+    absmax = module.weight.data.float().abs().amax(dim=1)  # [out]
+    module.tp.all_reduce_max(absmax)
+    return absmax
+
+
 def quantize_model(
     model: nn.Module, config: QuantConfig, dtype: torch.dtype, device: torch.device, include_lm_head: bool = False
 ) -> int:
-    """Quantize the projection layers in place; returns how many layers were quantized."""
+    """Quantize the projection layers in place; returns how many layers were quantized. Every rank
+    must call it (row-parallel int8 scales take one max-reduction per layer)."""
     if config.method == "none":
         return 0
     check_runnable(config, device)
@@ -194,9 +214,9 @@ def quantize_model(
     for _, module in targets:
         weight = module.weight.data
         if config.method == "int8wo":
-            module.kernel = Int8WeightOnlyKernel(weight, dtype)
+            module.kernel = Int8WeightOnlyKernel(weight, dtype, _row_absmax_over_ranks(module))
         elif config.method == "int8dq":
-            module.kernel = Int8DynamicKernel(weight, dtype)
+            module.kernel = Int8DynamicKernel(weight, dtype, _row_absmax_over_ranks(module))
         else:
             module.kernel = Int4WeightOnlyKernel(weight, dtype, config.group_size)
         module.quantized = True

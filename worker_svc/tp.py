@@ -41,6 +41,11 @@ class TPContext:
             return None
         return dist.all_reduce(tensor, group=self.group, async_op=async_op)
 
+    def all_reduce_max(self, tensor: torch.Tensor) -> None:
+        """Element-wise max in place across ranks (load-time use: quantization scales)."""
+        if self.size > 1:
+            dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
+
     def all_gather_last_dim(self, tensor: torch.Tensor) -> torch.Tensor:
         """Concatenate each rank's shard along the last dimension, in rank order."""
         if self.size == 1:
