@@ -11,8 +11,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "DeepseekV2ForCausalLM")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SUPPORTED_TOPK_METHODS = ("greedy", "group_limited_greedy")
 SUPPORTED_ACTIVATIONS = ("silu",)
 
 
@@ -28,6 +29,44 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int | None = None
+    # YaRN (DeepSeek-V2): ramp bounds, and the mscale pair giving the cos/sin attention factor and
+    # (mscale_all_dim) the softmax-scale correction.
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
+
+
+@dataclass(frozen=True)
+class DeepseekV2Fields:
+    """The MLA and MoE fields of a DeepseekV2ForCausalLM config.json."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    moe_intermediate_size: int
+    n_routed_experts: int
+    num_experts_per_tok: int
+    n_shared_experts: int
+    first_k_dense_replace: int
+    topk_method: str
+    n_group: int | None
+    topk_group: int | None
+    norm_topk_prob: bool
+    routed_scaling_factor: float
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_dim(self) -> int:
+        """Width of one cached MLA latent: the compressed KV plus the shared rotary key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
 
 
 @dataclass(frozen=True)
@@ -50,6 +89,7 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     torch_dtype: str
+    deepseek: DeepseekV2Fields | None = None  # set for DeepseekV2ForCausalLM (MLA + MoE)
     raw: dict[str, Any] = field(repr=False, compare=False, hash=False, default_factory=dict)
 
     @property
@@ -73,7 +113,15 @@ def _rope_from_hf(cfg: dict[str, Any]) -> RopeConfig:
             f"rope_scaling.rope_type={rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
         )
     orig = merged.get("original_max_position_embeddings")
+    if rope_type == "yarn" and (orig is None or "factor" not in merged):
+        raise ConfigError("rope_scaling of type 'yarn' needs 'factor' and 'original_max_position_embeddings'")
+    optional = {k: float(merged[k]) for k in ("mscale", "mscale_all_dim", "attention_factor")
+                if merged.get(k) is not None}
     return RopeConfig(
+        beta_fast=float(merged.get("beta_fast") or 32.0),
+        beta_slow=float(merged.get("beta_slow") or 1.0),
+        truncate=bool(merged.get("truncate", True)),
+        **optional,
         theta=theta,
         rope_type=rope_type,
         factor=float(merged.get("factor", 1.0)),
@@ -88,6 +136,56 @@ def _positive_int(cfg: dict[str, Any], key: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ConfigError(f"config.json field {key!r} must be a positive integer, got {value!r}")
     return value
+
+
+def _parse_deepseek(cfg: dict[str, Any]) -> DeepseekV2Fields:
+    q_lora = cfg.get("q_lora_rank")
+    if q_lora is not None:
+        q_lora = _positive_int(cfg, "q_lora_rank")
+    method = cfg.get("topk_method", "greedy") or "greedy"
+    if method not in SUPPORTED_TOPK_METHODS:
+        raise ConfigError(f"topk_method={method!r} is not supported; supported: {', '.join(SUPPORTED_TOPK_METHODS)}")
+    scoring = cfg.get("scoring_func", "softmax")
+    if scoring != "softmax":
+        raise ConfigError(f"scoring_func={scoring!r} is not supported; supported: softmax")
+    if cfg.get("moe_layer_freq", 1) != 1:
+        raise ConfigError(f"moe_layer_freq={cfg.get('moe_layer_freq')!r} is not supported; supported: 1")
+    experts = _positive_int(cfg, "n_routed_experts")
+    top_k = _positive_int(cfg, "num_experts_per_tok")
+    if top_k > experts:
+        raise ConfigError(f"num_experts_per_tok={top_k} exceeds n_routed_experts={experts}")
+    n_group = topk_group = None
+    if method == "group_limited_greedy":
+        n_group, topk_group = _positive_int(cfg, "n_group"), _positive_int(cfg, "topk_group")
+        if experts % n_group or topk_group > n_group:
+            raise ConfigError(f"n_group={n_group} must divide n_routed_experts={experts} and be >= "
+                              f"topk_group={topk_group}")
+    dense = cfg.get("first_k_dense_replace", 0)
+    if not isinstance(dense, int) or dense < 0:
+        raise ConfigError(f"config.json field 'first_k_dense_replace' must be an integer >= 0, got {dense!r}")
+    shared = cfg.get("n_shared_experts") or 0
+    if not isinstance(shared, int) or shared < 0:
+        raise ConfigError(f"config.json field 'n_shared_experts' must be an integer >= 0, got {shared!r}")
+    rope_dim = _positive_int(cfg, "qk_rope_head_dim")
+    if rope_dim % 2:
+        raise ConfigError(f"qk_rope_head_dim={rope_dim} must be even for rotary embeddings")
+    return DeepseekV2Fields(
+        q_lora_rank=q_lora,
+        kv_lora_rank=_positive_int(cfg, "kv_lora_rank"),
+        qk_nope_head_dim=_positive_int(cfg, "qk_nope_head_dim"),
+        qk_rope_head_dim=rope_dim,
+        v_head_dim=_positive_int(cfg, "v_head_dim"),
+        moe_intermediate_size=_positive_int(cfg, "moe_intermediate_size"),
+        n_routed_experts=experts,
+        num_experts_per_tok=top_k,
+        n_shared_experts=shared,
+        first_k_dense_replace=dense,
+        topk_method=method,
+        n_group=n_group,
+        topk_group=topk_group,
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+        routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
+    )
 
 
 def parse_model_config(cfg: dict[str, Any]) -> ModelConfig:
@@ -105,7 +203,15 @@ def parse_model_config(cfg: dict[str, Any]) -> ModelConfig:
     kv_heads = cfg.get("num_key_value_heads") or heads
     if heads % kv_heads:
         raise ConfigError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
-    head_dim = cfg.get("head_dim") or hidden // heads
+    deepseek = _parse_deepseek(cfg) if arch == "DeepseekV2ForCausalLM" else None
+    rope = _rope_from_hf(cfg)
+    if rope.rope_type == "yarn" and deepseek is None:
+        raise ConfigError(
+            f"rope_scaling.rope_type='yarn' is supported for DeepseekV2ForCausalLM only; supported for {arch}: "
+            + ", ".join(t for t in SUPPORTED_ROPE_TYPES if t != "yarn")
+        )
+    # DeepSeek's config.json head_dim (if any) is the rotary width; the q/k head is nope + rope.
+    head_dim = deepseek.qk_head_dim if deepseek else cfg.get("head_dim") or hidden // heads
     if head_dim % 2:
         raise ConfigError(f"head_dim={head_dim} must be even for rotary embeddings")
     eos = cfg.get("eos_token_id")
@@ -121,7 +227,7 @@ def parse_model_config(cfg: dict[str, Any]) -> ModelConfig:
         num_key_value_heads=int(kv_heads),
         head_dim=int(head_dim),
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        rope=_rope_from_hf(cfg),
+        rope=rope,
         max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         attention_bias=bool(cfg.get("attention_bias", False)),
@@ -129,6 +235,7 @@ def parse_model_config(cfg: dict[str, Any]) -> ModelConfig:
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=eos_ids,
         torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
+        deepseek=deepseek,
         raw=cfg,
     )
 

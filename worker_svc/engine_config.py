@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+MLA_DECODE_MODES = ("absorbed", "normal")
 CPU_BF16_LINEAR_KERNELS = ("auto", "aten", "fbgemm_fp16", "fbgemm_fp16_lowmem", "blocked_upcast")
 
 
@@ -41,6 +42,10 @@ class EngineConfig:
     torchao_config: str = "none"
     quantize_lm_head: bool = False
 
+    # MLA models (DeepSeek-V2): decode attention over the cached latents with W_UK/W_UV folded into
+    # the query/output ("absorbed"), or by decompressing every cached latent ("normal", as extend does).
+    mla_decode: str = "absorbed"
+
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype {self.dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
@@ -49,5 +54,7 @@ class EngineConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive")
         if self.cpu_bf16_linear not in CPU_BF16_LINEAR_KERNELS:
             raise ValueError(f"--cpu-bf16-linear must be one of {', '.join(CPU_BF16_LINEAR_KERNELS)}")
+        if self.mla_decode not in MLA_DECODE_MODES:
+            raise ValueError(f"--mla-decode must be one of {', '.join(MLA_DECODE_MODES)}")
         if self.max_total_tokens is not None and self.max_total_tokens <= 0:
             raise ValueError("--max-total-tokens must be positive")

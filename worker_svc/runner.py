@@ -14,6 +14,7 @@ import structlog
 import torch
 
 from worker_svc.attention.torch_native import TorchNativeAttentionBackend
+from worker_svc.attention.torch_native_mla import TorchNativeMLABackend
 from worker_svc.config import ModelConfig, load_model_config
 from worker_svc.engine_config import EngineConfig
 from worker_svc.forward_batch import ForwardBatch, ForwardMode
@@ -25,7 +26,7 @@ from worker_svc.layers.cpu_kernels import (
 )
 from worker_svc.layers.embedding import ParallelLMHead
 from worker_svc.layers.linear import KernelLinear
-from worker_svc.kvcache import KVSlotAllocator, MHAKVPool, ReqToTokenTable
+from worker_svc.kvcache import KVSlotAllocator, MHAKVPool, MLAKVPool, ReqToTokenTable
 from worker_svc.loader import load_checkpoint
 from worker_svc.models.registry import model_class
 from worker_svc.quant import check_alignment, check_runnable, parse_quant_config, quantize_model
@@ -73,7 +74,9 @@ class ModelRunner:
         torch.manual_seed(engine.random_seed)
         self.model = self._load_model()
         self._init_kv_cache()
-        self.attn_backend = TorchNativeAttentionBackend()
+        self.attn_backend = (
+            TorchNativeMLABackend(engine.mla_decode) if self.config.deepseek else TorchNativeAttentionBackend()
+        )
 
     def _load_model(self) -> torch.nn.Module:
         quant = parse_quant_config(self.engine.torchao_config)
@@ -126,7 +129,7 @@ class ModelRunner:
                 except ValueError:
                     module.kernel = blocked
                     continue
-                if not keep_bf16 and id(module.weight) not in shared:
+                if not keep_bf16 and id(module.weight) not in shared and not getattr(module, "needs_weight", False):
                     # The packed copy replaces the bf16 weight; keep the shape for introspection only.
                     module.weight = torch.nn.Parameter(torch.empty_like(module.weight, device="meta"), False)
             else:
@@ -145,15 +148,23 @@ class ModelRunner:
         return total + sum(packed.values())
 
     def _init_kv_cache(self) -> None:
-        cfg = self.config
+        cfg, mla = self.config, self.config.deepseek
         attn = self.model.model.layers[0].self_attn.attn
-        per_token = MHAKVPool.bytes_per_token(cfg.num_hidden_layers, attn.num_kv_heads, cfg.head_dim, self.dtype)
+        if mla:  # one latent per token per layer, whatever the head count or TP degree
+            per_token = MLAKVPool.bytes_per_token(cfg.num_hidden_layers, mla.kv_lora_rank, mla.qk_rope_head_dim, self.dtype)
+        else:
+            per_token = MHAKVPool.bytes_per_token(cfg.num_hidden_layers, attn.num_kv_heads, cfg.head_dim, self.dtype)
         # Without an explicit size: the memory budget, but never more than every running request can use.
         size = self.engine.max_total_tokens or max(
             1, min(self.engine.kv_cache_memory_bytes // per_token, self.engine.max_running_requests * self.context_len)
         )
         self.kv_bytes_per_token = per_token
-        self.kv_pool = MHAKVPool(size, cfg.num_hidden_layers, attn.num_kv_heads, cfg.head_dim, self.dtype, self.device)
+        if mla:
+            self.kv_pool = MLAKVPool(
+                size, cfg.num_hidden_layers, mla.kv_lora_rank, mla.qk_rope_head_dim, self.dtype, self.device
+            )
+        else:
+            self.kv_pool = MHAKVPool(size, cfg.num_hidden_layers, attn.num_kv_heads, cfg.head_dim, self.dtype, self.device)
         self.allocator = KVSlotAllocator(size, self.device)
         self.req_table = ReqToTokenTable(self.engine.max_running_requests, self.context_len, self.device)
         log.info("kv cache ready", max_total_tokens=size, bytes_per_token=per_token, kv_bytes=self.kv_pool.nbytes())

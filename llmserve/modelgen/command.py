@@ -21,7 +21,9 @@ def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") 
     p.add_argument("--seed", type=int, default=0, help="weight seed (the tokenizer does not depend on it)")
     p.add_argument("--tie-word-embeddings", action="store_true", help="share embed_tokens with the LM head")
     p.add_argument("--head-dim", type=int, default=None, help="explicit head_dim != hidden/heads")
-    p.add_argument("--rope-scaling", choices=("llama3",), default=None)
+    p.add_argument("--rope-scaling", choices=("llama3", "yarn"), default=None,
+                   help="llama3 (llama) or yarn with mscale (deepseek_v2); other DeepSeek variants "
+                   "(q_lora_rank, topk_method, n_group, ...) go through --config-override")
     p.add_argument("--shards", type=int, default=1, help="split weights over K safetensors files + index")
     p.add_argument("--weights-dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="dtype of stored weights (default: float32 for tiny/small, bfloat16 for bench)")

@@ -23,12 +23,65 @@ _RESIDUAL_BRANCH_GAIN = 8.0
 _NORM_NOISE_STD = 0.1
 
 
-def _param_specs(config: dict[str, Any]) -> list[tuple[str, tuple[int, ...], str, float]]:
+Spec = tuple[str, tuple[int, ...], str, float]
+
+
+def _mlp_specs(prefix: str, hidden: int, inter: int) -> list[Spec]:
+    return [
+        (f"{prefix}.gate_proj.weight", (inter, hidden), "normal", 1 / math.sqrt(hidden)),
+        (f"{prefix}.up_proj.weight", (inter, hidden), "normal", 1 / math.sqrt(hidden)),
+        (f"{prefix}.down_proj.weight", (hidden, inter), "normal", _RESIDUAL_BRANCH_GAIN / math.sqrt(inter)),
+    ]
+
+
+def _deepseek_layer_specs(config: dict[str, Any], i: int) -> list[Spec]:
+    """MLA attention + (dense MLP or MoE) under HF DeepseekV2 names; experts one by one, as real
+    checkpoints store them (transformers 5 fuses them into 3D tensors at load time)."""
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    nope, rope, v_dim = config["qk_nope_head_dim"], config["qk_rope_head_dim"], config["v_head_dim"]
+    kv_rank, q_rank = config["kv_lora_rank"], config.get("q_lora_rank")
+    in_std = 1 / math.sqrt(hidden)
+    p = f"model.layers.{i}"
+    specs: list[Spec] = []
+    if q_rank is None:
+        specs.append((f"{p}.self_attn.q_proj.weight", (heads * (nope + rope), hidden), "normal", in_std))
+    else:
+        specs += [
+            (f"{p}.self_attn.q_a_proj.weight", (q_rank, hidden), "normal", in_std),
+            (f"{p}.self_attn.q_a_layernorm.weight", (q_rank,), "norm", _NORM_NOISE_STD),
+            (f"{p}.self_attn.q_b_proj.weight", (heads * (nope + rope), q_rank), "normal", 1 / math.sqrt(q_rank)),
+        ]
+    specs += [
+        (f"{p}.self_attn.kv_a_proj_with_mqa.weight", (kv_rank + rope, hidden), "normal", in_std),
+        (f"{p}.self_attn.kv_a_layernorm.weight", (kv_rank,), "norm", _NORM_NOISE_STD),
+        (f"{p}.self_attn.kv_b_proj.weight", (heads * (nope + v_dim), kv_rank), "normal", 1 / math.sqrt(kv_rank)),
+        (f"{p}.self_attn.o_proj.weight", (hidden, heads * v_dim), "normal",
+         _RESIDUAL_BRANCH_GAIN / math.sqrt(heads * v_dim)),
+    ]
+    if i < config.get("first_k_dense_replace", 0):
+        specs += _mlp_specs(f"{p}.mlp", hidden, config["intermediate_size"])
+    else:
+        moe_inter = config["moe_intermediate_size"]
+        # Router logits of std ~2: decisive top-k choices, so fp32 noise never flips an expert.
+        specs.append((f"{p}.mlp.gate.weight", (config["n_routed_experts"], hidden), "normal", 2 * in_std))
+        for e in range(config["n_routed_experts"]):
+            specs += _mlp_specs(f"{p}.mlp.experts.{e}", hidden, moe_inter)
+        if config.get("n_shared_experts"):
+            specs += _mlp_specs(f"{p}.mlp.shared_experts", hidden, moe_inter * config["n_shared_experts"])
+    specs += [
+        (f"{p}.input_layernorm.weight", (hidden,), "norm", _NORM_NOISE_STD),
+        (f"{p}.post_attention_layernorm.weight", (hidden,), "norm", _NORM_NOISE_STD),
+    ]
+    return specs
+
+
+def _param_specs(config: dict[str, Any]) -> list[Spec]:
     """(name, shape, kind, std) in module order; kind is "normal" or "norm" (1 + noise)."""
+    deepseek = config.get("model_type") == "deepseek_v2"
     hidden = config["hidden_size"]
     inter = config["intermediate_size"]
     vocab = config["vocab_size"]
-    hd = head_dim_of(config)
+    hd = config["qk_rope_head_dim"] if deepseek else head_dim_of(config)
     q_out = config["num_attention_heads"] * hd
     kv_out = config["num_key_value_heads"] * hd
     # The final norm gives unit-RMS hidden states, so logit std = lm_head std * sqrt(hidden).
@@ -43,6 +96,9 @@ def _param_specs(config: dict[str, Any]) -> list[tuple[str, tuple[int, ...], str
     o_std = _RESIDUAL_BRANCH_GAIN / math.sqrt(q_out)
     down_std = _RESIDUAL_BRANCH_GAIN / math.sqrt(inter)
     for i in range(config["num_hidden_layers"]):
+        if deepseek:
+            specs += _deepseek_layer_specs(config, i)
+            continue
         p = f"model.layers.{i}"
         specs += [
             (f"{p}.self_attn.q_proj.weight", (q_out, hidden), "normal", in_std),

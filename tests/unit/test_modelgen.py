@@ -142,8 +142,10 @@ def test_preset_shapes() -> None:
         1024, 8, 16, 4, 2816, 32000)
     assert 150e6 < param_count(bench) < 160e6
     assert preset_config("llama", "small")["vocab_size"] == 2048
-    with pytest.raises(NotImplementedError):
-        preset_config("deepseek_v2", "tiny")
+    ds = preset_config("deepseek_v2", "bench")
+    assert (ds["kv_lora_rank"], ds["qk_rope_head_dim"], ds["qk_nope_head_dim"], ds["v_head_dim"],
+            ds["n_routed_experts"], ds["num_experts_per_tok"], ds["q_lora_rank"]) == (512, 64, 128, 128, 64, 6, None)
+    assert 300e6 < param_count(ds) < 330e6
 
 
 def test_config_override_applies_last_and_drives_vocab(tmp_path: Path) -> None:
@@ -257,10 +259,17 @@ def test_cli_make_model_with_variants(tmp_path: Path) -> None:
     assert _file_bytes(api) == _file_bytes(cli_dir)
 
 
-def test_cli_rejects_deepseek_for_now(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["make-model", "--arch", "deepseek_v2", "--out", str(tmp_path / "ds")]) == 2
-    assert "not supported yet" in capsys.readouterr().err
-    assert not (tmp_path / "ds").exists()
+def test_cli_writes_deepseek_v2(tmp_path: Path) -> None:
+    override = '{"q_lora_rank": 24, "topk_method": "group_limited_greedy", "n_group": 4, "topk_group": 2}'
+    argv = ["make-model", "--arch", "deepseek_v2", "--rope-scaling", "yarn", "--config-override", override]
+    assert main(argv + ["--out", str(tmp_path / "a")]) == 0
+    assert main(argv + ["--out", str(tmp_path / "b")]) == 0
+    assert _file_bytes(tmp_path / "a") == _file_bytes(tmp_path / "b")
+    cfg = json.loads((tmp_path / "a" / "config.json").read_text())
+    assert cfg["architectures"] == ["DeepseekV2ForCausalLM"] and cfg["rope_scaling"]["rope_type"] == "yarn"
+    names = load_file(tmp_path / "a" / SINGLE_FILE).keys()
+    assert "model.layers.1.mlp.experts.7.down_proj.weight" in names
+    assert "model.layers.0.self_attn.q_a_proj.weight" in names and "model.layers.0.mlp.gate_proj.weight" in names
 
 
 def test_cli_rejects_bad_override(tmp_path: Path) -> None:

@@ -35,3 +35,43 @@ class AttentionLayer(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         return batch.attn_backend.forward(q, k, v, self, batch)
+
+
+class MLAAttentionLayer(nn.Module):
+    """Multi-head latent attention (DeepSeek-V2) for one layer.
+
+    The model hands over the per-head ``q_nope``/``q_pe`` and each new token's latent
+    ``[normalised compressed KV (kv_lora_rank) | rotated shared key (qk_rope_head_dim)]``; the backend
+    caches the latent and either decompresses cached latents through ``kv_b_proj`` (``decompress``,
+    the "normal" path) or folds its halves into the query and output (``absorbed_weights``).
+    ``kv_b_proj`` is referenced, not registered, so its parameter keeps its checkpoint name.
+    """
+
+    def __init__(
+        self, layer_id: int, num_heads: int, kv_lora_rank: int, qk_nope_head_dim: int, qk_rope_head_dim: int,
+        v_head_dim: int, scaling: float, kv_b_proj: nn.Module,
+    ) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads = num_heads  # local heads on this rank
+        self.kv_lora_rank = kv_lora_rank
+        self.qk_nope_head_dim = qk_nope_head_dim
+        self.qk_rope_head_dim = qk_rope_head_dim
+        self.v_head_dim = v_head_dim
+        self.scaling = scaling
+        object.__setattr__(self, "kv_b_proj", kv_b_proj)
+
+    def decompress(self, latent_nope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[n, kv_lora_rank] -> per-head K_nope [n, heads, qk_nope] and V [n, heads, v_head_dim]."""
+        kv = self.kv_b_proj(latent_nope).view(-1, self.num_heads, self.qk_nope_head_dim + self.v_head_dim)
+        return kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
+
+    def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """W_UK [heads, qk_nope, kv_lora_rank] and W_UV [heads, v_head_dim, kv_lora_rank] (views)."""
+        w = self.kv_b_proj.weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
+        return w[:, : self.qk_nope_head_dim], w[:, self.qk_nope_head_dim :]
+
+    def forward(self, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """q_nope [tokens, heads, qk_nope], q_pe [tokens, heads, rope], latent [tokens, kv_lora + rope]
+        -> [tokens, heads * v_head_dim]."""
+        return batch.attn_backend.forward_mla(q_nope, q_pe, latent, self, batch)

@@ -1,0 +1,106 @@
+"""Torch-native MLA attention over the latent pool (``MLAKVPool``).
+
+Extend ("normal" path): per request, the cached latents of the prefix plus the new tokens' latents go
+through ``kv_b_proj`` into per-head K_nope and V, the shared rotary key is appended to every head, and
+SDPA runs with a causal mask offset by the prefix. Decode is ``absorbed`` by default: W_UK is folded into
+the query and W_UV into the output, so the step attends over the cached latents directly, as an MQA
+with one shared head of width kv_lora_rank + rope (no per-token decompression, which is what makes MLA
+decode cheap). ``mla_decode="normal"`` decompresses at decode too; the tests hold the two equal. Decode
+math runs in fp32 like the MHA backend's grouped matmuls. Per-step metadata (padded slot index and
+length mask, extend masks) is the MHA backend's.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from worker_svc.attention.base import MLAAttentionLayer
+from worker_svc.attention.torch_native import DecodeMetadata, ExtendMetadata, TorchNativeAttentionBackend
+from worker_svc.forward_batch import ForwardBatch, ForwardMode
+
+MLA_DECODE_MODES = ("absorbed", "normal")
+
+
+class TorchNativeMLABackend(TorchNativeAttentionBackend):
+    def __init__(self, mla_decode: str = "absorbed") -> None:
+        super().__init__()
+        if mla_decode not in MLA_DECODE_MODES:
+            raise ValueError(f"mla_decode must be one of {', '.join(MLA_DECODE_MODES)}, got {mla_decode!r}")
+        self.mla_decode = mla_decode
+
+    def forward(self, *args, **kwargs):  # type: ignore[override]
+        raise TypeError("the MLA backend serves MLAAttentionLayer.forward_mla only")
+
+    def forward_mla(
+        self, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, layer: MLAAttentionLayer,
+        batch: ForwardBatch,
+    ) -> torch.Tensor:
+        batch.kv_pool.store(layer.layer_id, batch.out_slots, latent)
+        if batch.mode is ForwardMode.DECODE:
+            decode = self._decode_absorbed if self.mla_decode == "absorbed" else self._decode_normal
+            out = decode(q_nope, q_pe, layer, batch)
+        else:
+            out = self._extend_mla(q_nope, q_pe, latent, layer, batch)
+        return out.reshape(q_nope.shape[0], layer.num_heads * layer.v_head_dim)
+
+    @staticmethod
+    def _keys_values(ctx: torch.Tensor, layer: MLAAttentionLayer) -> tuple[torch.Tensor, torch.Tensor]:
+        """Latents [n, kv_lora + rope] -> K [n, heads, qk_nope + rope], V [n, heads, v_head_dim]."""
+        k_nope, v = layer.decompress(ctx[:, : layer.kv_lora_rank])
+        k_pe = ctx[:, None, layer.kv_lora_rank :].expand(-1, layer.num_heads, -1)
+        return torch.cat((k_nope, k_pe), dim=-1), v
+
+    def _extend_mla(
+        self, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, layer: MLAAttentionLayer,
+        batch: ForwardBatch,
+    ) -> torch.Tensor:
+        meta: ExtendMetadata = batch.attn_metadata
+        buf = batch.kv_pool.buffer(layer.layer_id)
+        query = torch.cat((q_nope, q_pe), dim=-1)  # [tokens, heads, qk_head]
+        out = q_nope.new_empty(q_nope.shape[0], layer.num_heads, layer.v_head_dim)
+        for i, start in enumerate(meta.token_offsets):
+            end = start + batch.seq_lens[i] - batch.prefix_lens[i]
+            slots = meta.context_slots[i]
+            keys, values = self._keys_values(latent[start:end] if slots is None else buf[slots], layer)
+            result = F.scaled_dot_product_attention(
+                query[start:end].transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
+                attn_mask=meta.masks[i], is_causal=slots is None, scale=layer.scaling,
+            )
+            out[start:end] = result.transpose(0, 1)
+        return out
+
+    @staticmethod
+    def _softmax(scores: torch.Tensor, meta: DecodeMetadata) -> torch.Tensor:
+        if meta.mask is not None:
+            scores.masked_fill_(~meta.mask[:, 0], float("-inf"))  # mask [batch, 1, 1, len] -> [batch, 1, len]
+        return torch.softmax(scores, dim=-1)
+
+    def _decode_absorbed(
+        self, q_nope: torch.Tensor, q_pe: torch.Tensor, layer: MLAAttentionLayer, batch: ForwardBatch
+    ) -> torch.Tensor:
+        meta: DecodeMetadata = batch.attn_metadata
+        ctx = batch.kv_pool.buffer(layer.layer_id)[meta.slot_index].float()  # [batch, len, kv_lora + rope]
+        w_uk, w_uv = layer.absorbed_weights()
+        # q_nope . (W_UK c) == (W_UK^T q_nope) . c: one query of width kv_lora + rope per head.
+        q_latent = torch.bmm(q_nope.float().transpose(0, 1), w_uk.float()).transpose(0, 1)  # [batch, heads, kv_lora]
+        query = torch.cat((q_latent, q_pe.float()), dim=-1)
+        scores = torch.matmul(query, ctx.transpose(1, 2)) * layer.scaling  # [batch, heads, len]
+        probs = self._softmax(scores, meta)
+        out_latent = torch.matmul(probs, ctx[..., : layer.kv_lora_rank])  # [batch, heads, kv_lora]
+        out = torch.bmm(out_latent.transpose(0, 1), w_uv.float().transpose(1, 2))  # [heads, batch, v]
+        return out.transpose(0, 1).to(q_nope.dtype)
+
+    def _decode_normal(
+        self, q_nope: torch.Tensor, q_pe: torch.Tensor, layer: MLAAttentionLayer, batch: ForwardBatch
+    ) -> torch.Tensor:
+        meta: DecodeMetadata = batch.attn_metadata
+        bsz, max_len = meta.slot_index.shape
+        ctx = batch.kv_pool.buffer(layer.layer_id)[meta.slot_index.flatten()]  # [batch * len, kv_lora + rope]
+        keys, values = self._keys_values(ctx, layer)
+        keys = keys.view(bsz, max_len, layer.num_heads, -1).float()
+        values = values.view(bsz, max_len, layer.num_heads, -1).float()
+        query = torch.cat((q_nope, q_pe), dim=-1).float()  # [batch, heads, qk_head]
+        scores = torch.einsum("bhd,blhd->bhl", query, keys) * layer.scaling
+        probs = self._softmax(scores, meta)
+        return torch.einsum("bhl,blhd->bhd", probs, values).to(q_nope.dtype)

@@ -1,0 +1,90 @@
+"""DeepSeek-style mixture of experts: a softmax router with greedy or group-limited top-k, routed
+experts, always-on shared experts, and ``routed_scaling_factor`` on the routing weights.
+
+Experts are ordinary gated MLPs (column-parallel gate/up, row-parallel down) under the checkpoint's own
+per-expert names, so the loader, TP sharding and quantization treat them like any other linear. Each
+expert's down projection skips its all-reduce; the layer reduces the summed output once.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from worker_svc.config import DeepseekV2Fields
+from worker_svc.layers.activation import silu_and_mul
+from worker_svc.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+from worker_svc.tp import TPContext
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, tp: TPContext) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, False, tp)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, False, tp)
+
+    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)), reduce=reduce)
+
+
+class TopKRouter(nn.Module):
+    """``mlp.gate``: scores = softmax(x W^T) in fp32, then top-k experts per token."""
+
+    def __init__(self, hidden_size: int, fields: DeepseekV2Fields) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(fields.n_routed_experts, hidden_size), requires_grad=False)
+        self.fields = fields
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (weights [tokens, top_k] fp32, expert ids [tokens, top_k])."""
+        f = self.fields
+        scores = F.linear(x.float(), self.weight.float()).softmax(dim=-1)  # [tokens, experts]
+        if f.topk_method == "group_limited_greedy":
+            # Keep only the topk_group groups with the best single expert, then top-k among them.
+            grouped = scores.view(-1, f.n_group, f.n_routed_experts // f.n_group)
+            best_groups = grouped.max(dim=-1).values.topk(f.topk_group, dim=-1, sorted=False).indices
+            keep = torch.zeros(scores.shape[0], f.n_group, dtype=torch.bool, device=x.device)
+            keep.scatter_(1, best_groups, True)
+            scores = (grouped * keep.unsqueeze(-1)).view(-1, f.n_routed_experts)
+        weights, ids = scores.topk(f.num_experts_per_tok, dim=-1, sorted=False)
+        if f.norm_topk_prob and f.num_experts_per_tok > 1:
+            # sglang's semantics (renormalise, then scale). transformers 5 ignores norm_topk_prob.
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * f.routed_scaling_factor, ids
+
+
+class DeepseekMoE(nn.Module):
+    def __init__(self, hidden_size: int, fields: DeepseekV2Fields, tp: TPContext) -> None:
+        super().__init__()
+        self.tp = tp
+        self.top_k = fields.num_experts_per_tok
+        self.gate = TopKRouter(hidden_size, fields)
+        self.experts = nn.ModuleList(
+            GatedMLP(hidden_size, fields.moe_intermediate_size, tp) for _ in range(fields.n_routed_experts)
+        )
+        self.shared_experts = (
+            GatedMLP(hidden_size, fields.moe_intermediate_size * fields.n_shared_experts, tp)
+            if fields.n_shared_experts else None
+        )
+
+    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        weights, ids = self.gate(x)
+        flat_ids = ids.flatten()
+        order = torch.argsort(flat_ids, stable=True)  # (token, choice) pairs grouped by expert
+        tokens = order // self.top_k
+        flat_weights = weights.flatten()[order]
+        counts = torch.bincount(flat_ids, minlength=len(self.experts)).tolist()
+        out = torch.zeros_like(x)
+        start = 0
+        for expert, count in zip(self.experts, counts):
+            if count:
+                idx = tokens[start : start + count]
+                y = expert(x[idx], reduce=False) * flat_weights[start : start + count, None]
+                out.index_add_(0, idx, y.to(x.dtype))
+                start += count
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x, reduce=False)
+        if reduce:
+            self.tp.all_reduce(out)
+        return out
