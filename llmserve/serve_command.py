@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from llmserve.router_command import DEFAULT_ROUTER_PORT, POLICIES
-from worker_svc.cli_args import add_engine_args
+from worker_svc.cli_args import add_engine_args, engine_argv
 
 TAIL_LINES = 25
 
@@ -62,27 +62,6 @@ def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") 
     d.add_argument("--demo-max-new-tokens", type=int, default=32, metavar="N")
     d.add_argument("--exit-after-demo", action="store_true", help="shut down after the demo instead of serving")
     p.set_defaults(func=run)
-
-
-def _engine_argv(args: argparse.Namespace) -> list[str]:
-    """The engine flags given to `serve`, as a worker command line (defaults left out)."""
-    probe = argparse.ArgumentParser(add_help=False)
-    add_engine_args(probe)
-    argv: list[str] = []
-    for action in probe._actions:  # noqa: SLF001 - argparse keeps no public list
-        if not action.option_strings or action.dest == "model":
-            continue
-        value = getattr(args, action.dest, action.default)
-        if value == action.default:
-            continue
-        flag = next((s for s in action.option_strings if s.startswith("--")), action.option_strings[0])
-        if isinstance(action, argparse._StoreTrueAction):  # noqa: SLF001
-            argv.append(flag)
-        elif isinstance(value, dict):
-            argv += [flag, json.dumps(value)]
-        else:
-            argv += [flag, str(value)]
-    return argv
 
 
 class ChildFailed(Exception):
@@ -264,7 +243,7 @@ def _run_cluster(args: argparse.Namespace, model: Path, log_dir: Path, stop: thr
     workers = [
         Child(f"worker {i}", py + ["worker", "--model", str(model), "--host", args.host, "--port", "0",
                                    "--port-file", str(log_dir / f"worker{i}.port"), "--served-model-name", served,
-                                   *(["--tp", str(args.tp)] if args.tp > 1 else []), *_engine_argv(args), *common],
+                                   *(["--tp", str(args.tp)] if args.tp > 1 else []), *engine_argv(args), *common],
               log_dir / f"worker{i}.log", log_dir / f"worker{i}.port", worker_env)
         for i in range(args.dp)
     ]

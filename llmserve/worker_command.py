@@ -85,7 +85,7 @@ async def _serve(args: argparse.Namespace) -> int:
 
         children = []
         if args.dist_init_addr is None:  # single-machine mode: this process starts the other ranks
-            shared = engine_argv(args) + ["--log-level", args.log_level, "--tp-timeout", str(args.tp_timeout),
+            shared = engine_argv(args, include_model=True) + ["--log-level", args.log_level, "--tp-timeout", str(args.tp_timeout),
                                           "--shutdown-grace", str(args.shutdown_grace)]
             children = spawn_follower_processes(size, init_addr, shared + (["--log-json"] if args.log_json else []))
         try:

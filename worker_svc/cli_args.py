@@ -7,7 +7,7 @@ import argparse
 import json
 from typing import Any
 
-from worker_svc.engine_config import CPU_BF16_LINEAR_KERNELS, DTYPES, EngineConfig
+from worker_svc.engine_config import CPU_BF16_LINEAR_KERNELS, DTYPES, MLA_DECODE_MODES, EngineConfig
 
 
 def json_object(text: str) -> dict[str, Any]:
@@ -40,6 +40,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--quantize-lm-head", action="store_true", help="quantize the LM head too")
     g.add_argument("--cpu-bf16-linear", choices=CPU_BF16_LINEAR_KERNELS, default="auto",
                    help="bf16 matmul kernel on the CPU (auto: blocked_upcast on CPUs without native bf16)")
+    g.add_argument("--mla-decode", choices=MLA_DECODE_MODES, default="absorbed",
+                   help="MLA (DeepSeek-V2) decode: attend over cached latents with W_UK/W_UV absorbed, "
+                   "or decompress them (normal)")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -58,23 +61,32 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         cpu_bf16_linear=args.cpu_bf16_linear,
         torchao_config=args.torchao_config,
         quantize_lm_head=args.quantize_lm_head,
+        mla_decode=getattr(args, "mla_decode", "absorbed"),
     )
 
 
-def engine_argv(args: argparse.Namespace) -> list[str]:
-    """The engine flags of parsed ``args`` as a command line again (to start another rank with them)."""
-    argv = [
-        "--model", args.model, "--dtype", args.dtype, "--device", args.device,
-        "--kv-cache-memory-mb", str(args.kv_cache_memory_mb),
-        "--max-running-requests", str(args.max_running_requests),
-        "--chunked-prefill-size", str(args.chunked_prefill_size),
-        "--max-prefill-tokens", str(args.max_prefill_tokens),
-        "--random-seed", str(args.random_seed), "--cpu-bf16-linear", args.cpu_bf16_linear,
-    ]
-    if args.max_total_tokens is not None:
-        argv += ["--max-total-tokens", str(args.max_total_tokens)]
-    if args.context_length is not None:
-        argv += ["--context-length", str(args.context_length)]
-    if args.json_model_override_args:
-        argv += ["--json-model-override-args", json.dumps(args.json_model_override_args)]
+def engine_argv(args: argparse.Namespace, include_model: bool = False) -> list[str]:
+    """The engine flags of parsed ``args`` as a command line again, to start another process (a TP
+    rank, a worker under `serve`) with exactly the same engine. Walks the declared flags, so a new
+    flag can never be forgotten; values equal to their default are left out."""
+    probe = argparse.ArgumentParser(add_help=False)
+    add_engine_args(probe)
+    argv: list[str] = []
+    for action in probe._actions:  # noqa: SLF001 - argparse keeps no public list of actions
+        if not action.option_strings:
+            continue
+        value = getattr(args, action.dest, action.default)
+        if action.dest == "model":
+            if include_model:
+                argv += ["--model", str(value)]
+            continue
+        if value == action.default:
+            continue
+        flag = next((s for s in action.option_strings if s.startswith("--")), action.option_strings[0])
+        if isinstance(action, argparse._StoreTrueAction):  # noqa: SLF001
+            argv.append(flag)
+        elif isinstance(value, dict):
+            argv += [flag, json.dumps(value)]
+        else:
+            argv += [flag, str(value)]
     return argv

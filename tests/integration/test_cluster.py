@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from llmserve.cli import main as cli_main
-from router.client import RouterClient
+from router.client import RouterClient, collect
 
 ENGINE_FLAGS = ["--dtype", "float32", "--max-total-tokens", "1024", "--context-length", "256",
                 "--max-running-requests", "8"]
@@ -68,8 +68,8 @@ class Serve:
 def serve(model_factory, tmp_path) -> Iterator:
     started: list[Serve] = []
 
-    def start(*extra: str) -> Serve:
-        cmd = [sys.executable, "-m", "llmserve.cli", "serve", "--model", str(model_factory("tiny")), "--port", "0",
+    def start(*extra: str, preset: str = "tiny") -> Serve:
+        cmd = [sys.executable, "-m", "llmserve.cli", "serve", "--model", str(model_factory(preset)), "--port", "0",
                "--log-dir", str(tmp_path / f"logs{len(started)}"), "--probe-interval", "0.3", *ENGINE_FLAGS, *extra]
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
@@ -159,16 +159,39 @@ def test_serve_with_tensor_parallel_groups(serve) -> None:
     assert not any(_alive(p) for p in s.pids().values())
 
 
+def test_serve_int4_quantized_tensor_parallel_cluster(serve, model_factory) -> None:
+    """The quantization issue's cluster check: int4wo-128 on two tensor-parallel ranks (small preset:
+    every per-rank input dimension is a multiple of 128) answers through the router with the same
+    greedy tokens as an in-process TP=1 engine quantized the same way."""
+    from llmserve.cli import build_parser
+    from worker_svc.cli_args import engine_config_from_args
+    from worker_svc.engine import Engine
+    from worker_svc.sampling import SamplingParams
+
+    model = model_factory("small")
+    s = serve("--tp", "2", "--torchao-config", "int4wo-128", preset="small")
+    s.wait_line("serving; Ctrl-C or SIGTERM stops the cluster")
+    args = build_parser().parse_args(["worker", "--model", str(model), *ENGINE_FLAGS, "--torchao-config", "int4wo-128"])
+    engine = Engine(engine_config_from_args(args))
+    with RouterClient(s.router, timeout=60) as client:
+        prompt_ids = client.tokenize("The capital of France is")
+        (completion,) = collect(client.generate(prompt_ids, max_new_tokens=12, temperature=0, ignore_eos=True))
+    want = engine.generate([prompt_ids], SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True))
+    assert list(completion.token_ids) == want[0].output_ids
+    s.proc.send_signal(signal.SIGTERM)
+    assert s.proc.wait(60) == 0, "".join(s.err)
+
+
 def test_serve_passes_every_engine_flag_to_its_workers() -> None:
     from llmserve.cli import build_parser
-    from llmserve.serve_command import _engine_argv
+    from worker_svc.cli_args import engine_argv
     from worker_svc.cli_args import engine_config_from_args
 
     flags = ["--dtype", "float32", "--max-total-tokens", "64", "--context-length", "32", "--random-seed", "7",
              "--json-model-override-args", '{"rope_theta": 10000}', "--max-running-requests", "3"]
     serve_args = build_parser().parse_args(["serve", "--model", "/m", "--dp", "2", "--port", "0", *flags])
-    argv = _engine_argv(serve_args)
+    argv = engine_argv(serve_args)
     worker_args = build_parser().parse_args(["worker", "--model", "/m", *argv])
     assert engine_config_from_args(worker_args) == engine_config_from_args(serve_args)
     assert "--dp" not in argv and "--port" not in argv
-    assert _engine_argv(build_parser().parse_args(["serve", "--model", "/m"])) == []  # defaults stay implicit
+    assert engine_argv(build_parser().parse_args(["serve", "--model", "/m"])) == []  # defaults stay implicit
