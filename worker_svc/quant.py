@@ -2,7 +2,9 @@
 
     none | int8wo | int4wo-<group> (32, 64, 128, 256) | int8dq | fp8wo | fp8dq-per_row
 
-Applied after loading, to the attention and MLP projections (the LM head only when asked). Because
+Applied after loading, to the attention and MLP projections, including DeepSeek's MoE experts (each
+routed expert's and the shared experts' gate_up/down are ordinary parallel linears; the router
+``mlp.gate`` is not a projection and stays in fp32), and the LM head only when asked. Because
 each rank quantizes its own shard, quantization composes with tensor parallelism; int4 groups must
 not straddle a row-parallel shard boundary, which is checked at start.
 
@@ -14,6 +16,15 @@ another torch, so the CPU path uses torchao's quantization primitives (``choose_
 with aten's CPU kernels: ``_weight_int8pack_mm`` (int8 weight-only), ``_weight_int4pack_mm_for_cpu``
 (int4, grouped asymmetric) and ``_int_mm`` (int8 x int8, dynamic per-token activations). Each
 kernel can also produce its dequantized weight, which the tests use as the reference.
+
+MLA's ``kv_b_proj`` is deliberately left unquantized (any layer marked ``needs_weight``): the absorbed
+decode does not call it as a linear but reads its weight as W_UK / W_UV for two batched matmuls, and
+the extend path's decompression through the same weight must stay equal to the absorbed decode. Using
+a dequantized copy for the absorption would keep a full-precision copy in memory anyway (no bytes
+saved) while making int8dq's two paths disagree (activation quantization happens only on one), so the
+layer keeps its model-dtype weight: ``kv_lora_rank x heads * (qk_nope + v)`` per layer, about 0.4% of
+V2-Lite's parameters (5% of the bench preset's). Its input dimension is not subject to the int4 group
+check either.
 """
 
 from __future__ import annotations
@@ -108,10 +119,20 @@ class Int8WeightOnlyKernel:
 
 
 class Int4WeightOnlyKernel:
-    """Grouped asymmetric uint4 weights in tinygemm's layout (w = (q - 8) * scale + zero)."""
+    """Grouped asymmetric uint4 weights in tinygemm's layout (w = (q - 8) * scale + zero).
+
+    The CPU int4 packing needs a multiple of 16 output rows; other sizes (MLA's kv_a_proj_with_mqa is
+    kv_lora_rank + rope, 40 in the tiny DeepSeek preset) get zero rows appended, sliced off the output.
+    """
+
+    PACK_ROWS = 16
 
     def __init__(self, weight: torch.Tensor, dtype: torch.dtype, group_size: int) -> None:
         w32 = weight.float()
+        self.out_features = w32.shape[0]
+        pad = -self.out_features % self.PACK_ROWS
+        if pad:
+            w32 = torch.cat((w32, w32.new_zeros(pad, w32.shape[1])))
         out_features, in_features = w32.shape
         self.block = (1, group_size)
         self.scale, self.zero = _choose_qparams_affine_tinygemm(
@@ -129,11 +150,14 @@ class Int4WeightOnlyKernel:
         self.nbytes = self.packed.numel() * self.packed.element_size() + self.scale_and_zero.numel() * 2
 
     def dequantized(self) -> torch.Tensor:
-        return _dequantize_affine_tinygemm(self.qweight, self.block, self.scale, self.zero, torch.int32, 0, 15)
+        w = _dequantize_affine_tinygemm(self.qweight, self.block, self.scale, self.zero, torch.int32, 0, 15)
+        return w[: self.out_features]
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])  # [rows, in]
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, self.group_size, self.scale_and_zero)
+        if out.shape[-1] != self.out_features:
+            out = out[:, : self.out_features].contiguous()
         if bias is not None:
             out = out + bias
         return out.reshape(*x.shape[:-1], out.shape[-1])
@@ -170,7 +194,8 @@ def _targets(model: nn.Module, include_lm_head: bool) -> list[tuple[str, nn.Modu
     return [
         (name, module)
         for name, module in model.named_modules()
-        if isinstance(module, KernelLinear) or (include_lm_head and isinstance(module, ParallelLMHead))
+        if (isinstance(module, KernelLinear) and not getattr(module, "needs_weight", False))
+        or (include_lm_head and isinstance(module, ParallelLMHead))
     ]
 
 

@@ -159,6 +159,14 @@ class ModelRunner:
             1, min(self.engine.kv_cache_memory_bytes // per_token, self.engine.max_running_requests * self.context_len)
         )
         self.kv_bytes_per_token = per_token
+        # What per-head K and V would take on this rank (the MLA saving; equal to per_token for MHA).
+        self.kv_bytes_per_token_if_mha = per_token
+        if mla:
+            elem = torch.empty((), dtype=self.dtype).element_size()
+            local_heads = attn.num_heads  # heads on this rank
+            self.kv_bytes_per_token_if_mha = (
+                cfg.num_hidden_layers * local_heads * (mla.qk_nope_head_dim + mla.qk_rope_head_dim + mla.v_head_dim) * elem
+            )
         if mla:
             self.kv_pool = MLAKVPool(
                 size, cfg.num_hidden_layers, mla.kv_lora_rank, mla.qk_rope_head_dim, self.dtype, self.device
@@ -167,7 +175,8 @@ class ModelRunner:
             self.kv_pool = MHAKVPool(size, cfg.num_hidden_layers, attn.num_kv_heads, cfg.head_dim, self.dtype, self.device)
         self.allocator = KVSlotAllocator(size, self.device)
         self.req_table = ReqToTokenTable(self.engine.max_running_requests, self.context_len, self.device)
-        log.info("kv cache ready", max_total_tokens=size, bytes_per_token=per_token, kv_bytes=self.kv_pool.nbytes())
+        log.info("kv cache ready", max_total_tokens=size, bytes_per_token=per_token,
+                 bytes_per_token_if_mha=self.kv_bytes_per_token_if_mha, kv_bytes=self.kv_pool.nbytes())
 
     @property
     def max_total_tokens(self) -> int:

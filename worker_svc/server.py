@@ -372,6 +372,7 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
             "chunked_prefill_size": self.engine.config.chunked_prefill_size,
             "max_prefill_tokens": self.engine.config.max_prefill_tokens,
             "kv_bytes_per_token": runner.kv_bytes_per_token,
+            "kv_bytes_per_token_if_mha": getattr(runner, "kv_bytes_per_token_if_mha", runner.kv_bytes_per_token),
             "kv_cache_bytes": runner.kv_pool.nbytes(),
             "weight_bytes": weight_bytes,
             "dtype": str(runner.dtype).removeprefix("torch."),

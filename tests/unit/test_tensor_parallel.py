@@ -1,7 +1,8 @@
 """Tensor parallelism over real gloo process groups: TP=2 and TP=4 give TP=1's logits (fp32, within
 1e-4) and greedy tokens, with chunked prefill, mixed lengths, replicated KV heads, tied embeddings, a
-vocabulary that does not divide over the ranks and biased linears; each rank holds only its shard; the
-leader -> follower step message round-trips exactly.
+vocabulary that does not divide over the ranks, biased linears, quantized shards and DeepSeek-V2 (MLA
+heads, MoE experts, absorbed decode); each rank holds only its shard; the leader -> follower step
+message round-trips exactly.
 
 The pytest process is rank 0; ranks 1.. are spawned once per TP size and replay every model in turn.
 """
@@ -65,10 +66,15 @@ def models(model_factory, tmp_path_factory) -> dict[str, Path]:
         # ranks and int4 groups never straddle a shard, so the quantized weights equal TP=1's.
         "small_int8wo": model_factory("small"),
         "small_int4wo": model_factory("small"),
+        # DeepSeek-V2 (MLA + MoE): heads, expert intermediates and kv_b_proj (by head) are sharded, the
+        # latent projections and the router replicated; at TP=4 tiny has one head per rank.
+        "ds_tiny": model_factory("tiny", arch="deepseek_v2"),
+        "ds_small": model_factory("small", arch="deepseek_v2"),
+        "ds_tiny_int8wo": model_factory("tiny", arch="deepseek_v2"),
     }
 
 
-QUANT = {"small_int8wo": "int8wo", "small_int4wo": "int4wo-64"}
+QUANT = {"small_int8wo": "int8wo", "small_int4wo": "int4wo-64", "ds_tiny_int8wo": "int8wo"}
 
 
 def _engine(model_dir: Path, name: str = "") -> EngineConfig:
@@ -132,7 +138,8 @@ def tp_run(request, models):
     return size, results
 
 
-@pytest.mark.parametrize("name", ["tiny", "small", "tied", "odd_vocab", "bias", "small_int8wo", "small_int4wo"])
+@pytest.mark.parametrize("name", ["tiny", "small", "tied", "odd_vocab", "bias", "small_int8wo", "small_int4wo",
+                                  "ds_tiny", "ds_small", "ds_tiny_int8wo"])
 def test_tp_matches_tp1(tp_run, models, name):
     size, results = tp_run
     ours, ref = results[name], _reference(name, models[name])
@@ -212,6 +219,35 @@ def test_tied_embedding_shares_the_vocab_shard(models):
     model = _sharded(models["tied"], 1, 2).model
     assert model.lm_head.weight is model.model.embed_tokens.weight
     assert model.lm_head.vocab_start == model.model.embed_tokens.vocab_start > 0
+
+
+def test_deepseek_shards_heads_experts_and_replicates_latents(models):
+    """kv_a_proj_with_mqa (the latent) and the router are whole on every rank; kv_b_proj, q and o are
+    split by head, each expert's intermediate by rank; the absorbed decode's W_UK/W_UV are this
+    rank's heads of kv_b_proj."""
+    model_dir = models["ds_small"]  # 8 heads, q LoRA, 16 experts of intermediate 64
+    cfg = json.loads((model_dir / "config.json").read_text())
+    heads, nope, v, rank_ = cfg["num_attention_heads"], cfg["qk_nope_head_dim"], cfg["v_head_dim"], cfg["kv_lora_rank"]
+    prefix = "model.layers.1."
+    with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
+        kv_a = f.get_tensor(prefix + "self_attn.kv_a_proj_with_mqa.weight")
+        kv_b = f.get_tensor(prefix + "self_attn.kv_b_proj.weight").view(heads, nope + v, rank_)
+        q_a = f.get_tensor(prefix + "self_attn.q_a_proj.weight")
+        gate = f.get_tensor(prefix + "mlp.gate.weight")
+        down = f.get_tensor(prefix + "mlp.experts.3.down_proj.weight")
+    size = 4
+    local = heads // size
+    for rank in (0, size - 1):
+        layer = _sharded(model_dir, rank, size).model.model.layers[1]
+        attn = layer.self_attn
+        assert torch.equal(attn.kv_a_proj_with_mqa.weight, kv_a) and torch.equal(attn.q_a_proj.weight, q_a)
+        assert torch.equal(layer.mlp.gate.weight, gate)
+        mine = kv_b[rank * local : (rank + 1) * local]
+        assert attn.attn.num_heads == local
+        w_uk, w_uv = attn.attn.absorbed_weights()
+        assert torch.equal(w_uk, mine[:, :nope]) and torch.equal(w_uv, mine[:, nope:])
+        cols = down.shape[1] // size
+        assert torch.equal(layer.mlp.experts[3].down_proj.weight, down[:, rank * cols : (rank + 1) * cols])
 
 
 # ---- the step message ------------------------------------------------------------------------------
