@@ -26,32 +26,53 @@ class StaticBatch:
             self.runner.req_table.free(row)
         self.runner.allocator.clear()
 
-    def extend(self, pieces: list[list[int]]) -> torch.Tensor:
-        """Append ``pieces[i]`` to request i (prefill when it has no cache yet); returns last-token logits."""
+    def extend(self, pieces: list[list[int]], only: list[int] | None = None) -> torch.Tensor:
+        """Append ``pieces[j]`` to request ``only[j]`` (default: every request, in order; prefill
+        when it has no cache yet). Returns last-token logits, one row per extended request."""
+        rows = list(range(len(self.rows))) if only is None else only
         ids = [t for piece in pieces for t in piece]
-        positions = [p for piece, start in zip(pieces, self.seq_lens) for p in range(start, start + len(piece))]
-        return self._step(ForwardMode.EXTEND, ids, positions, [len(p) for p in pieces])
+        positions = [p for piece, i in zip(pieces, rows) for p in range(self.seq_lens[i], self.seq_lens[i] + len(piece))]
+        return self._step(ForwardMode.EXTEND, ids, positions, [len(p) for p in pieces], rows)
 
     def decode(self, token_ids: torch.Tensor) -> torch.Tensor:
         positions = list(self.seq_lens)
-        return self._step(ForwardMode.DECODE, token_ids, positions, [1] * len(self.rows))
+        everyone = list(range(len(self.rows)))
+        return self._step(ForwardMode.DECODE, token_ids, positions, [1] * len(self.rows), everyone)
 
-    def _step(self, mode: ForwardMode, ids, positions: list[int], counts: list[int]) -> torch.Tensor:
+    def _step(self, mode: ForwardMode, ids, positions: list[int], counts: list[int], which: list[int]) -> torch.Tensor:
         slots = self.runner.allocator.alloc(len(positions))
         if slots is None:
             raise RuntimeError("KV pool exhausted: raise --max-total-tokens")
-        prefix = list(self.seq_lens)
-        self.seq_lens = [s + c for s, c in zip(self.seq_lens, counts)]
+        prefix = [self.seq_lens[i] for i in which]
+        for i, count in zip(which, counts):
+            self.seq_lens[i] += count
         step = StepInput(
             mode=mode,
             input_ids=torch.as_tensor(ids, dtype=torch.int64),
             positions=torch.tensor(positions, dtype=torch.int64),
             out_slots=slots,
-            req_rows=torch.tensor(self.rows, dtype=torch.int64),
-            seq_lens=list(self.seq_lens),
+            req_rows=torch.tensor([self.rows[i] for i in which], dtype=torch.int64),
+            seq_lens=[self.seq_lens[i] for i in which],
             prefix_lens=prefix,
         )
         return self.runner.forward(step)
+
+
+def chunked_prefill_logits(runner: ModelRunner, prompts: list[list[int]], chunk: int) -> torch.Tensor:
+    """Prefill every prompt ``chunk`` tokens per step (prompts already done sit later steps out);
+    returns each prompt's final-token logits [B, V]."""
+    batch = StaticBatch(runner, len(prompts))
+    try:
+        final: list[torch.Tensor | None] = [None] * len(prompts)
+        for start in range(0, max(len(p) for p in prompts), chunk):
+            live = [i for i, p in enumerate(prompts) if start < len(p)]
+            logits = batch.extend([prompts[i][start : start + chunk] for i in live], only=live)
+            for j, i in enumerate(live):
+                if start + chunk >= len(prompts[i]):
+                    final[i] = logits[j]
+        return torch.stack(final)
+    finally:
+        batch.release()
 
 
 def greedy_with_split_prefill(

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmserve.bench.driver import StaticBatch, greedy_with_split_prefill
+from llmserve.bench.driver import chunked_prefill_logits, greedy_with_split_prefill
 from tests.unit.oracle import encode_prompts, hf_reference
 from worker_svc.engine import Engine
 from worker_svc.engine_config import EngineConfig
@@ -50,22 +50,7 @@ def test_prefill_extend_decode_match_hf(case):
 
 def test_chunked_prefill_logits_match_hf(case):
     model_dir, prompts, ref_logits, _ = case
-    runner = _runner(model_dir)
-    batch = StaticBatch(runner, len(prompts))
-    chunk = 5
-    longest = max(len(p) for p in prompts)
-    final = torch.empty_like(ref_logits)
-    for start in range(0, longest, chunk):
-        # Every request gets its next chunk; requests already fully prefilled sit this step out.
-        live = [i for i, p in enumerate(prompts) if start < len(p)]
-        sub = StaticBatch.__new__(StaticBatch)
-        sub.runner, sub.rows = runner, [batch.rows[i] for i in live]
-        sub.seq_lens = [batch.seq_lens[i] for i in live]
-        logits = sub.extend([prompts[i][start : start + chunk] for i in live])
-        for j, i in enumerate(live):
-            batch.seq_lens[i] = sub.seq_lens[j]
-            if start + chunk >= len(prompts[i]):
-                final[i] = logits[j]
+    final = chunked_prefill_logits(_runner(model_dir), prompts, chunk=5)
     assert (final - ref_logits).abs().max().item() < ATOL
 
 

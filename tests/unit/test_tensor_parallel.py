@@ -18,7 +18,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from llmserve.bench.driver import StaticBatch, greedy_with_split_prefill
+from llmserve.bench.driver import chunked_prefill_logits, greedy_with_split_prefill
 from tests.unit.oracle import encode_prompts
 from worker_svc.engine_config import EngineConfig
 from worker_svc.forward_batch import ForwardMode
@@ -82,29 +82,9 @@ def _engine(model_dir: Path, name: str = "") -> EngineConfig:
                         torchao_config=QUANT.get(name, "none"))
 
 
-def _chunked_prefill(runner, prompts: list[list[int]], chunk: int) -> torch.Tensor:
-    """Prefill every prompt CHUNK tokens per step; requests already done sit later steps out."""
-    batch = StaticBatch(runner, len(prompts))
-    try:
-        final = [None] * len(prompts)
-        for start in range(0, max(len(p) for p in prompts), chunk):
-            live = [i for i, p in enumerate(prompts) if start < len(p)]
-            sub = StaticBatch.__new__(StaticBatch)
-            sub.runner, sub.rows = runner, [batch.rows[i] for i in live]
-            sub.seq_lens = [batch.seq_lens[i] for i in live]
-            logits = sub.extend([prompts[i][start : start + chunk] for i in live])
-            for j, i in enumerate(live):
-                batch.seq_lens[i] = sub.seq_lens[j]
-                if start + chunk >= len(prompts[i]):
-                    final[i] = logits[j]
-        return torch.stack(final)
-    finally:
-        batch.release()
-
-
 def _run_checks(runner, prompts: list[list[int]]) -> dict:
     logits, tokens = greedy_with_split_prefill(runner, prompts, OUTPUT_LEN, cut_len=3)
-    return {"logits": logits, "tokens": tokens, "chunked": _chunked_prefill(runner, prompts, CHUNK)}
+    return {"logits": logits, "tokens": tokens, "chunked": chunked_prefill_logits(runner, prompts, CHUNK)}
 
 
 _TP1: dict[str, dict] = {}
