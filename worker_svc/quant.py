@@ -37,6 +37,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from worker_svc.layers.embedding import ParallelLMHead
+from worker_svc.layers.linear import KernelLinear, RowParallelLinear, embedding_parameter_ids, release_weight
+
 with warnings.catch_warnings():  # torchao announces skipped C++ extensions at import
     warnings.simplefilter("ignore")
     from torchao.quantization.quant_primitives import (
@@ -188,9 +191,6 @@ class Int8DynamicKernel(Int8WeightOnlyKernel):
 
 
 def _targets(model: nn.Module, include_lm_head: bool) -> list[tuple[str, nn.Module]]:
-    from worker_svc.layers.embedding import ParallelLMHead
-    from worker_svc.layers.linear import KernelLinear
-
     return [
         (name, module)
         for name, module in model.named_modules()
@@ -215,8 +215,6 @@ def check_alignment(model: nn.Module, config: QuantConfig, tp_size: int, include
 
 def _row_absmax_over_ranks(module: nn.Module) -> torch.Tensor | None:
     """For a row-parallel shard, each output row's |max| over every rank's columns."""
-    from worker_svc.layers.linear import RowParallelLinear
-
     if not isinstance(module, RowParallelLinear) or module.tp.size == 1:
         return None
     absmax = module.weight.data.float().abs().amax(dim=1)  # [out]
@@ -235,7 +233,7 @@ def quantize_model(
     targets = _targets(model, include_lm_head)
     if device.type == "cuda":
         return _quantize_with_torchao(model, config, {id(m) for _, m in targets})
-    tied = {id(p) for name, p in model.named_parameters() if "embed_tokens" in name}
+    tied = embedding_parameter_ids(model)
     for _, module in targets:
         weight = module.weight.data
         if config.method == "int8wo":
@@ -245,9 +243,7 @@ def quantize_model(
         else:
             module.kernel = Int4WeightOnlyKernel(weight, dtype, config.group_size)
         module.quantized = True
-        if id(module.weight) not in tied:
-            # The kernel holds the quantized copy; keep the parameter's shape only.
-            module.weight = nn.Parameter(torch.empty_like(module.weight, device="meta"), requires_grad=False)
+        release_weight(module, tied)  # the kernel holds the quantized copy
     return len(targets)
 
 

@@ -25,7 +25,7 @@ from worker_svc.layers.cpu_kernels import (
     fbgemm_available,
 )
 from worker_svc.layers.embedding import ParallelLMHead
-from worker_svc.layers.linear import KernelLinear
+from worker_svc.layers.linear import KernelLinear, embedding_parameter_ids, release_weight
 from worker_svc.kvcache import KVSlotAllocator, MHAKVPool, MLAKVPool, ReqToTokenTable
 from worker_svc.loader import load_checkpoint
 from worker_svc.models.registry import model_class
@@ -118,7 +118,7 @@ class ModelRunner:
         if choice == "aten" or self.dtype != torch.bfloat16 or self.device.type != "cpu":
             return
         blocked = BlockedUpcastLinear()  # one shared scratch buffer: the engine runs one step at a time
-        shared = {id(p) for name, p in model.named_parameters() if "embed_tokens" in name}
+        shared = embedding_parameter_ids(model)
         for module in model.modules():
             if not isinstance(module, (KernelLinear, ParallelLMHead)) or getattr(module, "quantized", False):
                 continue
@@ -129,9 +129,8 @@ class ModelRunner:
                 except ValueError:
                     module.kernel = blocked
                     continue
-                if not keep_bf16 and id(module.weight) not in shared and not getattr(module, "needs_weight", False):
-                    # The packed copy replaces the bf16 weight; keep the shape for introspection only.
-                    module.weight = torch.nn.Parameter(torch.empty_like(module.weight, device="meta"), False)
+                if not keep_bf16:
+                    release_weight(module, shared)  # the packed copy replaces the bf16 weight
             else:
                 module.kernel = blocked
         log.info("cpu bf16 linear kernel", kernel=choice)

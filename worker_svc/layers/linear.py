@@ -57,6 +57,20 @@ class KernelLinear(nn.Linear):
         return self.kernel(x, self.weight, self.bias)
 
 
+def embedding_parameter_ids(model: nn.Module) -> set[int]:
+    """Parameters the input embedding owns (an LM head tied to it shares one of them)."""
+    return {id(p) for name, p in model.named_parameters() if "embed_tokens" in name}
+
+
+def release_weight(module: nn.Module, keep: set[int]) -> None:
+    """Once a kernel holds its own packed or quantized copy, drop the parameter's storage and keep
+    only its shape, unless the weight is in ``keep`` (shared with the embedding) or the module says
+    other code reads it (``needs_weight``, e.g. MLA's kv_b_proj for absorbed decode)."""
+    if id(module.weight) in keep or getattr(module, "needs_weight", False):
+        return
+    module.weight = nn.Parameter(torch.empty_like(module.weight, device="meta"), requires_grad=False)
+
+
 class ColumnParallelLinear(KernelLinear):
     """y = x W^T with W split by output rows; each rank produces its slice of y."""
 
