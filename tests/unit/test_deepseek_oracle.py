@@ -12,7 +12,7 @@ import torch
 
 from llmserve.bench.driver import StaticBatch, chunked_prefill_logits, greedy_with_split_prefill
 from llmserve.modelgen.presets import yarn_rope_scaling
-from tests.unit.oracle import encode_prompts, hf_reference
+from tests.unit.oracle import encode_prompts, hf_reference, run_with_late_arrivals
 from worker_svc.config import ConfigError, parse_model_config
 from worker_svc.engine import Engine
 from worker_svc.engine_config import EngineConfig
@@ -96,36 +96,14 @@ def test_continuous_batching_matches_hf(case):
     model_dir, prompts, ref_logits, ref_tokens = case
     engine = Engine(EngineConfig(model_path=str(model_dir), dtype="float32", max_total_tokens=4096,
                                  chunked_prefill_size=8, max_prefill_tokens=16))
-    steps = []
-    forward = engine.runner.forward
 
-    def recording_forward(step):
-        logits = forward(step)
-        steps.append((step.req_rows.tolist(), list(step.seq_lens), logits.clone()))
-        return logits
+    def short_prompt_decodes_early(first):
+        assert len(first[0].output_ids) >= 4
 
-    engine.runner.forward = recording_forward
-    first = [engine.submit(p, GREEDY) for p in prompts[:2]]
-    for _ in range(6):
-        engine.scheduler.step()
-    assert len(first[0].output_ids) >= 4
-    later = [engine.submit(p, GREEDY) for p in prompts[2:]]
-    rows = {}
-    while engine.scheduler.has_work():
-        engine.scheduler.step()
-        for req in first + later:
-            if req.req_row is not None:
-                rows.setdefault(id(req), req.req_row)
-    reqs = first + later
+    reqs, prefill = run_with_late_arrivals(engine, prompts, GREEDY, short_prompt_decodes_early)
     assert [r.output_ids for r in reqs] == ref_tokens
-    for i, req in enumerate(reqs):
-        prefill = [
-            logits[j] for rows_, lens, logits in steps
-            for j, (row, length) in enumerate(zip(rows_, lens))
-            if row == rows[id(req)] and length == len(req.prompt_ids)
-        ]
-        assert len(prefill) == 1
-        assert (prefill[0] - ref_logits[i]).abs().max().item() < ATOL
+    for logits, ref in zip(prefill, ref_logits):
+        assert (logits - ref).abs().max().item() < ATOL
     assert engine.runner.allocator.available() == engine.runner.max_total_tokens
 
 
