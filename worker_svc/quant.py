@@ -40,17 +40,15 @@ from torch import nn
 from worker_svc.layers.embedding import ParallelLMHead
 from worker_svc.layers.linear import KernelLinear, RowParallelLinear, embedding_parameter_ids, release_weight
 
-with warnings.catch_warnings():  # torchao announces skipped C++ extensions at import
-    warnings.simplefilter("ignore")
-    from torchao.quantization.quant_primitives import (
-        MappingType,
-        _choose_qparams_affine_tinygemm,
-        _dequantize_affine_tinygemm,
-        _quantize_affine_tinygemm,
-        choose_qparams_affine,
-        dequantize_affine,
-        quantize_affine,
-    )
+
+def _primitives():
+    """torchao's quantization primitives, imported on first use: importing torchao takes ~2.7 s here,
+    which a worker started without --torchao-config should not pay."""
+    with warnings.catch_warnings():  # torchao announces skipped C++ extensions at import
+        warnings.simplefilter("ignore")
+        from torchao.quantization import quant_primitives
+    return quant_primitives
+
 
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 CPU_CONFIGS = ("int8wo", *(f"int4wo-{g}" for g in INT4_GROUP_SIZES), "int8dq")
@@ -100,18 +98,18 @@ class Int8WeightOnlyKernel:
         w32 = weight.float()
         self.block = (1, w32.shape[1])
         if row_absmax is None:
-            self.scale, self.zero = choose_qparams_affine(
-                w32, MappingType.SYMMETRIC, self.block, torch.int8, -127, 127, eps=1e-9, scale_dtype=torch.float32
+            self.scale, self.zero = _primitives().choose_qparams_affine(
+                w32, _primitives().MappingType.SYMMETRIC, self.block, torch.int8, -127, 127, eps=1e-9, scale_dtype=torch.float32
             )
         else:  # choose_qparams_affine's symmetric rule, on the all-rank range
             self.scale = (row_absmax.float() / 127).clamp(min=1e-9).reshape(-1, 1)
             self.zero = torch.zeros_like(self.scale, dtype=torch.int32)
-        self.qweight = quantize_affine(w32, self.block, self.scale, self.zero, torch.int8, -127, 127)  # [N, K]
+        self.qweight = _primitives().quantize_affine(w32, self.block, self.scale, self.zero, torch.int8, -127, 127)  # [N, K]
         self.kernel_scale = self.scale.reshape(-1).to(dtype)  # [N]
         self.nbytes = self.qweight.numel() + self.kernel_scale.numel() * self.kernel_scale.element_size()
 
     def dequantized(self) -> torch.Tensor:
-        return dequantize_affine(self.qweight, self.block, self.scale, self.zero, torch.int8, -127, 127)
+        return _primitives().dequantize_affine(self.qweight, self.block, self.scale, self.zero, torch.int8, -127, 127)
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])  # [rows, in]
@@ -138,11 +136,12 @@ class Int4WeightOnlyKernel:
             w32 = torch.cat((w32, w32.new_zeros(pad, w32.shape[1])))
         out_features, in_features = w32.shape
         self.block = (1, group_size)
-        self.scale, self.zero = _choose_qparams_affine_tinygemm(
-            w32, MappingType.ASYMMETRIC, self.block, torch.int32, 0, 15, eps=1e-6,
+        qp = _primitives()
+        self.scale, self.zero = qp._choose_qparams_affine_tinygemm(
+            w32, qp.MappingType.ASYMMETRIC, self.block, torch.int32, 0, 15, eps=1e-6,
             scale_dtype=dtype, zero_point_dtype=dtype,
         )
-        self.qweight = _quantize_affine_tinygemm(w32, self.block, self.scale, self.zero, torch.int32, 0, 15)
+        self.qweight = qp._quantize_affine_tinygemm(w32, self.block, self.scale, self.zero, torch.int32, 0, 15)
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(self.qweight, 1)
         groups = in_features // group_size
         # [in / group, out, 2]: per group and output channel, (scale, zero).
@@ -153,7 +152,7 @@ class Int4WeightOnlyKernel:
         self.nbytes = self.packed.numel() * self.packed.element_size() + self.scale_and_zero.numel() * 2
 
     def dequantized(self) -> torch.Tensor:
-        w = _dequantize_affine_tinygemm(self.qweight, self.block, self.scale, self.zero, torch.int32, 0, 15)
+        w = _primitives()._dequantize_affine_tinygemm(self.qweight, self.block, self.scale, self.zero, torch.int32, 0, 15)
         return w[: self.out_features]
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
