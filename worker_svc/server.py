@@ -361,9 +361,7 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
 
     def scheduler_info(self) -> dict[str, Any]:
         runner = self.runner
-        weight_bytes = getattr(runner, "weight_nbytes", None)
-        if weight_bytes is None:
-            weight_bytes = runner.weight_bytes(runner.model)
+        weight_bytes = runner.weight_nbytes  # measured once at load, after packing/quantization
         return {
             "max_total_num_tokens": runner.allocator.size,
             "max_running_requests": self.engine.config.max_running_requests,
