@@ -1,7 +1,10 @@
 """Quantization against bf16 on one model folder: accuracy (mean KL, top-1 agreement over
 teacher-forced positions) and decode speed, every config measured interleaved in one process.
 
-    python benchmarks/quant_eval.py --model /tmp/m/bench [--configs int8wo int4wo-128 int8dq]
+    python benchmarks/quant_eval.py --model /tmp/m/bench [--configs int8wo int4wo-128 int8dq int8wo+head]
+        [--cpu-quant-kernel auto|avx2|aten]
+
+A config name ending in ``+head`` also quantizes the LM head (``--quantize-lm-head``).
 """
 
 from __future__ import annotations
@@ -53,31 +56,47 @@ def main() -> None:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--cpu-quant-kernel", default="auto")
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--speed-only", action="store_true", help="skip the accuracy pass")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     runners = {
         name: ModelRunner(EngineConfig(model_path=args.model, dtype="bfloat16", max_total_tokens=8192,
-                                       torchao_config=name))
+                                       torchao_config=name.removesuffix("+head"),
+                                       quantize_lm_head=name.endswith("+head"),
+                                       cpu_quant_kernel=args.cpu_quant_kernel))
         for name in ["none", *args.configs]
     }
+    if not args.speed_only:
+        report_accuracy(runners, args.configs, args.positions)
+    report_speed(runners, args.batch_sizes, args.rounds, args.steps)
+
+
+def report_accuracy(runners: dict[str, ModelRunner], configs: list[str], positions: int) -> None:
     seqs = 8
-    length = 16 + args.positions // seqs + 1
+    length = 16 + positions // seqs + 1
     tokens = torch.randint(0, runners["none"].config.vocab_size, (seqs, length), generator=torch.Generator().manual_seed(0))
     base = teacher_forced_logits(runners["none"], tokens).float()
     base_logp = base.log_softmax(-1)
     print(f"accuracy vs bf16 over {base.shape[0]} positions")
-    for name in args.configs:
+    for name in configs:
         logits = teacher_forced_logits(runners[name], tokens).float()
         kl = (base_logp.exp() * (base_logp - logits.log_softmax(-1))).sum(-1).mean().item()
         top1 = (logits.argmax(-1) == base.argmax(-1)).float().mean().item()
         cos = torch.nn.functional.cosine_similarity(logits, base, dim=-1).mean().item()
         print(f"  {name:12s} mean KL {kl:.5f}  top-1 agreement {top1:.3f}  logits cosine {cos:.4f}  "
               f"weight bytes {runners[name].weight_nbytes / 2**20:.1f} MiB (bf16 {runners['none'].weight_nbytes / 2**20:.1f})")
-    for bs in args.batch_sizes:
+
+
+def report_speed(runners: dict[str, ModelRunner], batch_sizes: list[int], rounds: int, steps: int) -> None:
+    for bs in batch_sizes:
         best = {name: float("inf") for name in runners}
-        for _ in range(args.rounds):
+        for _ in range(rounds):
             for name, runner in runners.items():
-                best[name] = min(best[name], decode_step_time(runner, bs, 128, args.steps))
-        print(f"decode step, batch {bs}, input 128 (best of {args.rounds} interleaved medians):")
+                best[name] = min(best[name], decode_step_time(runner, bs, 128, steps))
+        print(f"decode step, batch {bs}, input 128 (best of {rounds} interleaved medians):")
         for name, t in best.items():
             print(f"  {name:12s} {t * 1e3:7.2f} ms  {bs / t:7.1f} tok/s  speed-up vs bf16 {best['none'] / t:.2f}x")
 

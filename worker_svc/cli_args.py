@@ -7,7 +7,13 @@ import argparse
 import json
 from typing import Any
 
-from worker_svc.engine_config import CPU_BF16_LINEAR_KERNELS, DTYPES, MLA_DECODE_MODES, EngineConfig
+from worker_svc.engine_config import (
+    CPU_BF16_LINEAR_KERNELS,
+    CPU_QUANT_KERNELS,
+    DTYPES,
+    MLA_DECODE_MODES,
+    EngineConfig,
+)
 
 
 def json_object(text: str) -> dict[str, Any]:
@@ -38,6 +44,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--torchao-config", "--quantization", dest="torchao_config", default="none",
                    help="weight quantization: none, int8wo, int4wo-<32|64|128|256>, int8dq, fp8wo, fp8dq-per_row")
     g.add_argument("--quantize-lm-head", action="store_true", help="quantize the LM head too")
+    g.add_argument("--cpu-quant-kernel", choices=CPU_QUANT_KERNELS, default="auto",
+                   help="kernels for quantized layers on the CPU (auto: the AVX2 kernels on AVX2-only CPUs, "
+                   "else aten's)")
     g.add_argument("--cpu-bf16-linear", choices=CPU_BF16_LINEAR_KERNELS, default="auto",
                    help="bf16 matmul kernel on the CPU (auto: blocked_upcast on CPUs without native bf16)")
     g.add_argument("--mla-decode", choices=MLA_DECODE_MODES, default="absorbed",
@@ -61,6 +70,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         cpu_bf16_linear=args.cpu_bf16_linear,
         torchao_config=args.torchao_config,
         quantize_lm_head=args.quantize_lm_head,
+        cpu_quant_kernel=args.cpu_quant_kernel,
         mla_decode=getattr(args, "mla_decode", "absorbed"),
     )
 

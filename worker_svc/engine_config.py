@@ -8,6 +8,7 @@ from typing import Any
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 MLA_DECODE_MODES = ("absorbed", "normal")
 CPU_BF16_LINEAR_KERNELS = ("auto", "aten", "fbgemm_fp16", "fbgemm_fp16_lowmem", "blocked_upcast")
+CPU_QUANT_KERNELS = ("auto", "avx2", "aten")
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,9 @@ class EngineConfig:
     # Weight quantization of this rank's shard (worker_svc/quant.py), e.g. "int4wo-128".
     torchao_config: str = "none"
     quantize_lm_head: bool = False
+    # Kernels for quantized layers on the CPU (worker_svc/quant.py): "auto" picks this project's AVX2
+    # kernels on AVX2-only CPUs (aten's are scalar there) and aten's elsewhere.
+    cpu_quant_kernel: str = "auto"
 
     # MLA models (DeepSeek-V2): decode attention over the cached latents with W_UK/W_UV folded into
     # the query/output ("absorbed"), or by decompressing every cached latent ("normal", as extend does).
@@ -54,6 +58,8 @@ class EngineConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive")
         if self.cpu_bf16_linear not in CPU_BF16_LINEAR_KERNELS:
             raise ValueError(f"--cpu-bf16-linear must be one of {', '.join(CPU_BF16_LINEAR_KERNELS)}")
+        if self.cpu_quant_kernel not in CPU_QUANT_KERNELS:
+            raise ValueError(f"--cpu-quant-kernel must be one of {', '.join(CPU_QUANT_KERNELS)}")
         if self.mla_decode not in MLA_DECODE_MODES:
             raise ValueError(f"--mla-decode must be one of {', '.join(MLA_DECODE_MODES)}")
         if self.max_total_tokens is not None and self.max_total_tokens <= 0:

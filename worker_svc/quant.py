@@ -13,9 +13,16 @@ Int4WeightOnlyConfig, Int8DynamicActivationInt8WeightConfig, Float8...), which r
 there. On the CPU torchao 0.15's configs either miss the fast kernels or need extensions built for
 another torch, so the CPU path uses torchao's quantization primitives (``choose_qparams_affine``,
 ``quantize_affine`` and the tinygemm variants) to produce the same quantized values and runs them
-with aten's CPU kernels: ``_weight_int8pack_mm`` (int8 weight-only), ``_weight_int4pack_mm_for_cpu``
-(int4, grouped asymmetric) and ``_int_mm`` (int8 x int8, dynamic per-token activations). Each
-kernel can also produce its dequantized weight, which the tests use as the reference.
+with one of two kernel sets (``--cpu-quant-kernel``):
+
+- ``aten``: ``_weight_int8pack_mm`` (int8 weight-only), ``_weight_int4pack_mm_for_cpu`` (int4,
+  grouped asymmetric) and ``_int_mm`` (int8 x int8, dynamic per-token activations). They are
+  vectorized for AVX-512 only: on an AVX2-only CPU they run scalar loops, and ``_int_mm`` is slower
+  than bf16 at every batch size.
+- ``avx2``: this project's kernels (layers/csrc/quant_linear_avx2.cpp, built on first use), the
+  same arithmetic vectorized for AVX2 + FMA. ``auto`` picks them on AVX2-only CPUs.
+
+Each kernel can also produce its dequantized weight, which the tests use as the reference.
 
 MLA's ``kv_b_proj`` is deliberately left unquantized (any layer marked ``needs_weight``): the absorbed
 decode does not call it as a linear but reads its weight as W_UK / W_UV for two batched matmuls, and
@@ -33,12 +40,16 @@ import re
 import warnings
 from dataclasses import dataclass
 
+import structlog
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from worker_svc.layers import cpu_ext
 from worker_svc.layers.embedding import ParallelLMHead
 from worker_svc.layers.linear import KernelLinear, RowParallelLinear, embedding_parameter_ids, release_weight
+
+log = structlog.get_logger(__name__)
 
 
 def _primitives():
@@ -84,6 +95,46 @@ def check_runnable(config: QuantConfig, device: torch.device) -> None:
         )
 
 
+def cpu_quant_ops(choice: str):
+    """The AVX2 kernels (``torch.ops.llmserve_cpu``) for ``--cpu-quant-kernel choice``, or None for aten's.
+
+    ``auto`` takes them only on AVX2-only CPUs: with AVX-512, aten's kernels are vectorized too.
+    """
+    if choice == "aten" or (choice == "auto" and torch.backends.cpu.get_cpu_capability() != "AVX2"):
+        return None
+    ops = cpu_ext.load()
+    if ops is None and choice == "avx2":
+        raise QuantConfigError(
+            "--cpu-quant-kernel avx2: the AVX2 kernels cannot run here (needs x86-64 with AVX2 and a C++ "
+            "compiler; the log says why); use --cpu-quant-kernel aten"
+        )
+    return ops
+
+
+INT4_BLOCK = 64  # the AVX2 int4 layout's block of input features
+
+
+def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """[N, K] values 0..15 -> [N, Kp / 2] uint8, the AVX2 int4 kernel's layout (Kp: K rounded up to 64,
+    zero-padded): per 64-wide block, eight little-endian 32-bit words, word i holding weight 8t + i of
+    the block in bits 4t..4t+3."""
+    rows, cols = q.shape
+    padded = -(-cols // INT4_BLOCK) * INT4_BLOCK
+    q = F.pad(q.to(torch.int64), (0, padded - cols))
+    planes = q.view(rows, padded // INT4_BLOCK, 8, 8)  # [N, block, t, i]
+    shifts = (4 * torch.arange(8, dtype=torch.int64)).view(1, 1, 8, 1)
+    words = (planes << shifts).sum(dim=2)  # [N, block, i]: 32-bit values held in int64
+    return words.view(torch.uint8).view(rows, -1, 8, 8)[..., :4].reshape(rows, padded // 2).contiguous()
+
+
+def unpack_nibbles(packed: torch.Tensor, cols: int) -> torch.Tensor:
+    rows = packed.shape[0]
+    word_bytes = packed.view(rows, -1, 8, 4).to(torch.int64)  # [N, block, i, byte]
+    words = (word_bytes << (8 * torch.arange(4, dtype=torch.int64))).sum(dim=-1)  # [N, block, i]
+    planes = (words[:, :, None, :] >> (4 * torch.arange(8, dtype=torch.int64)).view(1, 1, 8, 1)) & 0xF  # [N, block, t, i]
+    return planes.reshape(rows, -1)[:, :cols].to(torch.uint8)
+
+
 # ---- CPU kernels -------------------------------------------------------------------------------
 
 
@@ -92,9 +143,13 @@ class Int8WeightOnlyKernel:
 
     ``row_absmax`` ([out]) overrides the channel range: a row-parallel shard passes the max over
     all ranks, so its scales, and hence its quantized values, equal an unsharded quantization.
+    ``ops``: the AVX2 kernels (``cpu_quant_ops``), or None for aten's.
     """
 
-    def __init__(self, weight: torch.Tensor, dtype: torch.dtype, row_absmax: torch.Tensor | None = None) -> None:
+    def __init__(
+        self, weight: torch.Tensor, dtype: torch.dtype, row_absmax: torch.Tensor | None = None, ops=None
+    ) -> None:
+        self.ops = ops
         w32 = weight.float()
         self.block = (1, w32.shape[1])
         if row_absmax is None:
@@ -105,7 +160,8 @@ class Int8WeightOnlyKernel:
             self.scale = (row_absmax.float() / 127).clamp(min=1e-9).reshape(-1, 1)
             self.zero = torch.zeros_like(self.scale, dtype=torch.int32)
         self.qweight = _primitives().quantize_affine(w32, self.block, self.scale, self.zero, torch.int8, -127, 127)  # [N, K]
-        self.kernel_scale = self.scale.reshape(-1).to(dtype)  # [N]
+        # [N]: aten's kernel takes the scales in the activation dtype, the AVX2 kernels in float32.
+        self.kernel_scale = self.scale.reshape(-1).to(torch.float32 if ops is not None else dtype).contiguous()
         self.nbytes = self.qweight.numel() + self.kernel_scale.numel() * self.kernel_scale.element_size()
 
     def dequantized(self) -> torch.Tensor:
@@ -113,53 +169,73 @@ class Int8WeightOnlyKernel:
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])  # [rows, in]
-        out = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.kernel_scale)
+        if self.ops is not None:
+            out = self.ops.int8_weight_linear(x2, self.qweight, self.kernel_scale)
+        else:
+            out = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.kernel_scale)
         if bias is not None:
             out = out + bias
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
 class Int4WeightOnlyKernel:
-    """Grouped asymmetric uint4 weights in tinygemm's layout (w = (q - 8) * scale + zero).
+    """Grouped asymmetric uint4 weights in tinygemm's convention (w = (q - 8) * scale + zero, scale and
+    zero in the model dtype), stored for the chosen kernel:
 
-    The CPU int4 packing needs a multiple of 16 output rows; other sizes (MLA's kv_a_proj_with_mqa is
-    kv_lora_rank + rope, 40 in the tiny DeepSeek preset) get zero rows appended, sliced off the output.
+    - AVX2: ``pack_nibbles`` layout [out, in / 2] (in padded to a multiple of 64) with scale and zero
+      [out, in / group].
+    - aten: ``_convert_weight_to_int4pack_for_cpu``'s layout, which needs a multiple of 16 output rows;
+      other sizes (MLA's kv_a_proj_with_mqa is kv_lora_rank + rope, 40 in the tiny DeepSeek preset) get
+      zero rows appended, sliced off the output.
     """
 
     PACK_ROWS = 16
 
-    def __init__(self, weight: torch.Tensor, dtype: torch.dtype, group_size: int) -> None:
+    def __init__(self, weight: torch.Tensor, dtype: torch.dtype, group_size: int, ops=None) -> None:
+        self.ops = ops
         w32 = weight.float()
-        self.out_features = w32.shape[0]
-        pad = -self.out_features % self.PACK_ROWS
+        self.out_features, in_features = w32.shape
+        pad = 0 if ops is not None else -self.out_features % self.PACK_ROWS
         if pad:
-            w32 = torch.cat((w32, w32.new_zeros(pad, w32.shape[1])))
-        out_features, in_features = w32.shape
+            w32 = torch.cat((w32, w32.new_zeros(pad, in_features)))
         self.block = (1, group_size)
+        self.group_size = group_size
         qp = _primitives()
-        self.scale, self.zero = qp._choose_qparams_affine_tinygemm(
+        scale, zero = qp._choose_qparams_affine_tinygemm(
             w32, qp.MappingType.ASYMMETRIC, self.block, torch.int32, 0, 15, eps=1e-6,
             scale_dtype=dtype, zero_point_dtype=dtype,
         )
-        self.qweight = qp._quantize_affine_tinygemm(w32, self.block, self.scale, self.zero, torch.int32, 0, 15)
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(self.qweight, 1)
+        qweight = qp._quantize_affine_tinygemm(w32, self.block, scale, zero, torch.int32, 0, 15)  # [N, K] 0..15
         groups = in_features // group_size
-        # [in / group, out, 2]: per group and output channel, (scale, zero).
-        self.scale_and_zero = torch.stack(
-            (self.scale.reshape(out_features, groups).t(), self.zero.reshape(out_features, groups).t()), dim=-1
-        ).contiguous()
-        self.group_size = group_size
-        self.nbytes = self.packed.numel() * self.packed.element_size() + self.scale_and_zero.numel() * 2
+        self.scale = scale.reshape(-1, groups).contiguous()  # [N, groups]
+        self.zero = zero.reshape(-1, groups).contiguous()
+        if ops is not None:
+            self.packed = pack_nibbles(qweight)  # [N, K / 2]
+        else:
+            self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(qweight, 1)
+            # [in / group, out, 2]: per group and output channel, (scale, zero).
+            self.scale_and_zero = torch.stack((self.scale.t(), self.zero.t()), dim=-1).contiguous()
+        self.nbytes = self.packed.numel() * self.packed.element_size() + 2 * self.scale.numel() * self.scale.element_size()
 
     def dequantized(self) -> torch.Tensor:
-        w = _primitives()._dequantize_affine_tinygemm(self.qweight, self.block, self.scale, self.zero, torch.int32, 0, 15)
-        return w[: self.out_features]
+        if self.ops is not None:
+            qweight = unpack_nibbles(self.packed, self.scale.shape[1] * self.group_size).to(torch.int32)
+            w = _primitives()._dequantize_affine_tinygemm(qweight, self.block, self.scale, self.zero, torch.int32, 0, 15)
+            return w.float()
+        # aten's packed layout is opaque: run the kernel on the identity, in float32, to read W^T.
+        in_features = self.scale.shape[1] * self.group_size
+        eye = torch.eye(in_features, dtype=torch.float32)
+        w_t = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, self.group_size, self.scale_and_zero.float())
+        return w_t.t()[: self.out_features].contiguous()
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])  # [rows, in]
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, self.group_size, self.scale_and_zero)
-        if out.shape[-1] != self.out_features:
-            out = out[:, : self.out_features].contiguous()
+        if self.ops is not None:
+            out = self.ops.int4_weight_linear(x2, self.packed, self.scale, self.zero, self.group_size)
+        else:
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, self.group_size, self.scale_and_zero)
+            if out.shape[-1] != self.out_features:
+                out = out[:, : self.out_features].contiguous()
         if bias is not None:
             out = out + bias
         return out.reshape(*x.shape[:-1], out.shape[-1])
@@ -176,6 +252,11 @@ class Int8DynamicKernel(Int8WeightOnlyKernel):
         return torch.round(x2 / x_scale).clamp(-127, 127) * x_scale
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.ops is not None:
+            out = self.ops.int8_dynamic_linear(x.reshape(-1, x.shape[-1]), self.qweight, self.kernel_scale)
+            if bias is not None:
+                out = out + bias
+            return out.reshape(*x.shape[:-1], out.shape[-1])
         x2 = x.reshape(-1, x.shape[-1]).float()  # [rows, in]
         x_scale = (x2.abs().amax(dim=-1, keepdim=True) / 127).clamp(min=1e-9)  # [rows, 1]
         xq = torch.round(x2 / x_scale).clamp(-127, 127).to(torch.int8)
@@ -222,27 +303,35 @@ def _row_absmax_over_ranks(module: nn.Module) -> torch.Tensor | None:
 
 
 def quantize_model(
-    model: nn.Module, config: QuantConfig, dtype: torch.dtype, device: torch.device, include_lm_head: bool = False
+    model: nn.Module,
+    config: QuantConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    include_lm_head: bool = False,
+    cpu_kernel: str = "auto",
 ) -> int:
     """Quantize the projection layers in place; returns how many layers were quantized. Every rank
-    must call it (row-parallel int8 scales take one max-reduction per layer)."""
+    must call it (row-parallel int8 scales take one max-reduction per layer). ``cpu_kernel``:
+    ``--cpu-quant-kernel`` (auto | avx2 | aten)."""
     if config.method == "none":
         return 0
     check_runnable(config, device)
     targets = _targets(model, include_lm_head)
     if device.type == "cuda":
         return _quantize_with_torchao(model, config, {id(m) for _, m in targets})
+    ops = cpu_quant_ops(cpu_kernel)
     tied = embedding_parameter_ids(model)
     for _, module in targets:
         weight = module.weight.data
         if config.method == "int8wo":
-            module.kernel = Int8WeightOnlyKernel(weight, dtype, _row_absmax_over_ranks(module))
+            module.kernel = Int8WeightOnlyKernel(weight, dtype, _row_absmax_over_ranks(module), ops)
         elif config.method == "int8dq":
-            module.kernel = Int8DynamicKernel(weight, dtype, _row_absmax_over_ranks(module))
+            module.kernel = Int8DynamicKernel(weight, dtype, _row_absmax_over_ranks(module), ops)
         else:
-            module.kernel = Int4WeightOnlyKernel(weight, dtype, config.group_size)
+            module.kernel = Int4WeightOnlyKernel(weight, dtype, config.group_size, ops)
         module.quantized = True
         release_weight(module, tied)  # the kernel holds the quantized copy
+    log.info("quantized", config=config.name, layers=len(targets), cpu_kernel="avx2" if ops is not None else "aten")
     return len(targets)
 
 

@@ -92,7 +92,9 @@ class ModelRunner:
         for module in model.modules():
             if hasattr(module, "build_cache"):
                 module.build_cache(self.device)
-        quantized = quantize_model(model, quant, self.dtype, self.device, self.engine.quantize_lm_head)
+        quantized = quantize_model(
+            model, quant, self.dtype, self.device, self.engine.quantize_lm_head, self.engine.cpu_quant_kernel
+        )
         self._select_linear_kernels(model)
         self.weight_nbytes = self.weight_bytes(model)
         model.eval()

@@ -9,7 +9,8 @@ import torch
 from llmserve.bench.driver import greedy_with_split_prefill
 from tests.unit.oracle import encode_prompts
 from worker_svc.engine_config import EngineConfig
-from worker_svc.quant import QuantConfigError, dequantized_reference, parse_quant_config
+from worker_svc.layers import cpu_ext
+from worker_svc.quant import QuantConfigError, cpu_quant_ops, dequantized_reference, parse_quant_config
 from worker_svc.runner import ModelRunner
 
 WEIGHT_ONLY = ["int8wo", "int4wo-32", "int4wo-64"]
@@ -22,12 +23,15 @@ def _runner(model_dir, config, dtype="float32", **kw) -> ModelRunner:
 
 @pytest.mark.parametrize("preset", ["tiny", "small"])
 @pytest.mark.parametrize("config", WEIGHT_ONLY)
-def test_quantized_kernels_match_dequantized_reference(model_factory, preset, config):
+@pytest.mark.parametrize("cpu_kernel", ["avx2", "aten"])
+def test_quantized_kernels_match_dequantized_reference(model_factory, preset, config, cpu_kernel):
+    if cpu_kernel == "avx2" and cpu_ext.load() is None:
+        pytest.skip("AVX2 kernels unavailable on this host")
     model_dir = model_factory(preset)
     prompts = encode_prompts(model_dir)
-    fast = _runner(model_dir, config)
+    fast = _runner(model_dir, config, cpu_quant_kernel=cpu_kernel)
     logits, tokens = greedy_with_split_prefill(fast, prompts, 8, cut_len=3)
-    reference = _runner(model_dir, config)
+    reference = _runner(model_dir, config, cpu_quant_kernel=cpu_kernel)
     dequantized_reference(reference.model)
     ref_logits, ref_tokens = greedy_with_split_prefill(reference, prompts, 8, cut_len=3)
     rel = (logits - ref_logits).abs().max() / ref_logits.abs().max()
@@ -36,7 +40,7 @@ def test_quantized_kernels_match_dequantized_reference(model_factory, preset, co
 
 
 @pytest.mark.parametrize("rows", [1, 7, 32])
-def test_int8dq_kernel_matches_its_reference_per_layer(rows):
+def test_int8dq_aten_kernel_matches_its_reference_per_layer(rows):
     """int8dq also quantizes activations per token, a step function: through a whole model, 1-ulp
     differences upstream flip an occasional rounding, so the kernel is held to the reference layer
     by layer on identical inputs (weight-only configs are held to it on whole-model logits above)."""
@@ -45,18 +49,19 @@ def test_int8dq_kernel_matches_its_reference_per_layer(rows):
     gen = torch.Generator().manual_seed(rows)
     weight = torch.randn(96, 64, generator=gen) * 0.05
     x = torch.randn(rows, 64, generator=gen)
-    kernel = Int8DynamicKernel(weight, torch.float32)
+    kernel = Int8DynamicKernel(weight, torch.float32)  # aten's _int_mm (the AVX2 kernel: test_quant_cpu_kernels)
     out = kernel(x, weight)
     ref = torch.nn.functional.linear(kernel.fake_quantize_activations(x), kernel.dequantized())
     assert ((out - ref).abs().max() / ref.abs().max()).item() < 1e-5
     assert not torch.allclose(out, x @ weight.t(), rtol=1e-5)  # it really quantized something
 
 
-def test_int8dq_model_logits_close_to_reference(model_factory):
+@pytest.mark.parametrize("cpu_kernel", ["auto", "aten"])
+def test_int8dq_model_logits_close_to_reference(model_factory, cpu_kernel):
     model_dir = model_factory("small")
     prompts = encode_prompts(model_dir)
-    logits, _ = greedy_with_split_prefill(_runner(model_dir, "int8dq"), prompts, 1, cut_len=3)
-    reference = _runner(model_dir, "int8dq")
+    logits, _ = greedy_with_split_prefill(_runner(model_dir, "int8dq", cpu_quant_kernel=cpu_kernel), prompts, 1, cut_len=3)
+    reference = _runner(model_dir, "int8dq", cpu_quant_kernel=cpu_kernel)
     dequantized_reference(reference.model)
     ref_logits, _ = greedy_with_split_prefill(reference, prompts, 1, cut_len=3)
     assert torch.nn.functional.cosine_similarity(logits, ref_logits, dim=-1).min().item() > 0.999
@@ -107,3 +112,14 @@ def test_int4_group_must_divide_the_shard(model_factory):
     # tiny: hidden 64, so a 128-wide group cannot fit the q/k/v input dimension.
     with pytest.raises(QuantConfigError, match="not a multiple of the group size 128"):
         _runner(model_factory("tiny"), "int4wo-128")
+
+
+def test_cpu_quant_kernel_choice():
+    assert cpu_quant_ops("aten") is None
+    if torch.backends.cpu.get_cpu_capability() == "AVX2" and cpu_ext.load() is not None:
+        assert cpu_quant_ops("auto") is cpu_ext.load()  # aten's int kernels are scalar on AVX2-only CPUs
+    if cpu_ext.load() is None:
+        with pytest.raises(QuantConfigError, match="--cpu-quant-kernel aten"):
+            cpu_quant_ops("avx2")
+    with pytest.raises(ValueError, match="--cpu-quant-kernel"):
+        EngineConfig(model_path="x", cpu_quant_kernel="fast")

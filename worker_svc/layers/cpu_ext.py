@@ -1,0 +1,71 @@
+"""Build and load this project's AVX2 CPU kernels (``worker_svc/layers/csrc/*.cpp``) on first use:
+
+- quant_linear_avx2.cpp: int8 / int4 weight-only and int8 dynamic linears (worker_svc/quant.py).
+
+The library is compiled by ``torch.utils.cpp_extension`` into torch's extension cache
+(``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``) the first time a process asks for
+it (about a minute on 2 cores; ``scripts/bootstrap.sh`` does it at install); later processes find
+the built library and only load it. Builds are serialized by a lock file in that directory, so the
+ranks of a worker group starting together compile once.
+
+``load()`` returns None, with the reason logged, when the host cannot use the kernels (not x86-64
+with AVX2, no C++ compiler, build error); callers then keep the torch/aten paths.
+
+    python -m worker_svc.layers.cpu_ext    # build now (exit status 1 if it cannot be built)
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import platform
+import sys
+import time
+from pathlib import Path
+
+import structlog
+import torch
+
+CSRC = Path(__file__).parent / "csrc"
+CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
+
+log = structlog.get_logger(__name__)
+
+
+def host_supports_avx2() -> bool:
+    return platform.machine().lower() in ("x86_64", "amd64") and torch.backends.cpu.get_cpu_capability() in (
+        "AVX2",
+        "AVX512",
+    )
+
+
+@functools.cache
+def load() -> object | None:
+    """``torch.ops.llmserve_cpu`` with the kernels registered, or None where they cannot run."""
+    if not host_supports_avx2():
+        log.info("cpu_ext.unavailable", reason=f"cpu capability {torch.backends.cpu.get_cpu_capability()}")
+        return None
+    from torch.utils import cpp_extension
+
+    sources = sorted(CSRC.glob("*.cpp"))
+    # torch rebuilds when a source or a flag changes; the digest flag makes a header change count too.
+    digest = hashlib.sha1(b"".join(path.read_bytes() for path in sorted(CSRC.iterdir()))).hexdigest()[:16]
+    start = time.perf_counter()
+    try:
+        cpp_extension.load(
+            name="llmserve_cpu_avx2",
+            sources=[str(path) for path in sources],
+            extra_cflags=[*CFLAGS, f"-DLLMSERVE_CSRC_DIGEST={digest}"],
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+            verbose=False,
+        )
+    except Exception as exc:  # compiler missing or failing: the torch paths still work
+        log.warning("cpu_ext.build_failed", error=str(exc).splitlines()[-1] if str(exc) else repr(exc))
+        return None
+    log.info("cpu_ext.loaded", seconds=round(time.perf_counter() - start, 2))
+    return torch.ops.llmserve_cpu
+
+
+if __name__ == "__main__":
+    sys.exit(0 if load() is not None else 1)
