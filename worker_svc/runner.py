@@ -18,6 +18,7 @@ from worker_svc.attention.torch_native_mla import TorchNativeMLABackend
 from worker_svc.config import ModelConfig, load_model_config
 from worker_svc.engine_config import EngineConfig
 from worker_svc.forward_batch import ForwardBatch, ForwardMode
+from worker_svc.layers import cpu_ext
 from worker_svc.layers.cpu_kernels import (
     BlockedUpcastLinear,
     PackedFp16Linear,
@@ -75,8 +76,13 @@ class ModelRunner:
         self.model = self._load_model()
         self._init_kv_cache()
         self.attn_backend = (
-            TorchNativeMLABackend(engine.mla_decode) if self.config.deepseek else TorchNativeAttentionBackend()
+            TorchNativeMLABackend(engine.mla_decode) if self.config.deepseek else self._mha_backend()
         )
+
+    def _mha_backend(self) -> TorchNativeAttentionBackend:
+        """The AVX2 decode-attention kernel on x86 CPUs that have it, else the grouped fp32 matmuls."""
+        cpu_ops = cpu_ext.load() if self.device.type == "cpu" else None
+        return TorchNativeAttentionBackend("avx2" if cpu_ops is not None else "grouped_matmul", cpu_ops)
 
     def _load_model(self) -> torch.nn.Module:
         quant = parse_quant_config(self.engine.torchao_config)

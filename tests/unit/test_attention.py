@@ -1,5 +1,5 @@
-"""Torch-native attention backend: the grouped-matmul decode equals SDPA decode and a dense
-reference, for GQA, ragged lengths (masking) and both dtypes."""
+"""Torch-native attention backend: the grouped-matmul decode, SDPA decode and the AVX2 kernel equal a
+dense reference, for GQA, MHA, ragged lengths (masking), scattered slots and three dtypes."""
 
 from __future__ import annotations
 
@@ -12,15 +12,20 @@ from worker_svc.attention.base import AttentionLayer
 from worker_svc.attention.torch_native import TorchNativeAttentionBackend
 from worker_svc.forward_batch import ForwardBatch, ForwardMode
 from worker_svc.kvcache import MHAKVPool
+from worker_svc.layers import cpu_ext
+
+CPU_OPS = cpu_ext.load()
+needs_cpu_ops = pytest.mark.skipif(CPU_OPS is None, reason="AVX2 kernels unavailable on this host")
 
 
 def _decode_batch(backend, dtype, seq_lens, heads=8, kv_heads=2, dim=16):
     gen = torch.Generator().manual_seed(0)
     pool = MHAKVPool(256, 1, kv_heads, dim, dtype, torch.device("cpu"))
     table = torch.zeros(len(seq_lens), 65, dtype=torch.int64)
-    next_slot = 1
+    order = torch.randperm(255, generator=gen) + 1  # scattered slots, as a long-running pool has them
+    next_slot = 0
     for row, length in enumerate(seq_lens):
-        slots = torch.arange(next_slot, next_slot + length)
+        slots = order[next_slot : next_slot + length]
         table[row, :length] = slots
         pool.k_buffers[0][slots] = torch.randn(length, kv_heads, dim, generator=gen).to(dtype)
         pool.v_buffers[0][slots] = torch.randn(length, kv_heads, dim, generator=gen).to(dtype)
@@ -70,6 +75,41 @@ def test_decode_grouped_matmul_equals_sdpa_and_reference(dtype, atol, seq_lens):
     ref = _dense_reference(q, batch, table, layer)
     assert torch.allclose(results["grouped_matmul"], ref, atol=atol)
     assert torch.allclose(results["sdpa"], ref, atol=atol)
+
+
+@needs_cpu_ops
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("seq_lens", [[5, 5, 5], [1, 17, 64, 3], [40]])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(8, 2, 16), (4, 4, 64), (6, 1, 20)])
+def test_decode_avx2_kernel_equals_grouped_matmul(dtype, seq_lens, heads, kv_heads, dim):
+    """Same fp32 arithmetic, so within summation-order noise of the torch path, for GQA, MHA, MQA and
+    a head size that is not a multiple of the vector width."""
+    results = {}
+    for impl in ("grouped_matmul", "avx2"):
+        backend = TorchNativeAttentionBackend(decode_impl=impl, cpu_ops=CPU_OPS)
+        batch, layer, q, k_new, v_new, table = _decode_batch(backend, dtype, seq_lens, heads, kv_heads, dim)
+        results[impl] = backend.forward(q, k_new, v_new, layer, batch)
+    assert results["avx2"].dtype == dtype
+    ref = _dense_reference(q, batch, table, layer)
+    assert torch.allclose(results["avx2"].float(), ref, atol=1e-5 if dtype == torch.float32 else 2e-2)
+    if dtype == torch.float32:
+        assert torch.allclose(results["avx2"], results["grouped_matmul"], atol=1e-6)
+    else:  # both round the same fp32 result once to the activation dtype
+        assert (results["avx2"].float() - results["grouped_matmul"].float()).abs().max().item() <= 1e-2
+
+
+@needs_cpu_ops
+def test_decode_avx2_kernel_rejects_bad_lengths():
+    backend = TorchNativeAttentionBackend(decode_impl="avx2", cpu_ops=CPU_OPS)
+    batch, layer, q, _, _, _ = _decode_batch(backend, torch.float32, [4, 6])
+    k_buf, v_buf = batch.kv_pool.buffers(0)
+    with pytest.raises(RuntimeError, match="seq_lens"):
+        CPU_OPS.decode_attention(q, k_buf, v_buf, batch.attn_metadata.slot_index, torch.tensor([4, 99]), 0.25)
+
+
+def test_avx2_decode_needs_the_kernels():
+    with pytest.raises(ValueError, match="cpu_ext"):
+        TorchNativeAttentionBackend(decode_impl="avx2")
 
 
 def test_unknown_decode_impl_is_rejected():

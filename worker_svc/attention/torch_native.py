@@ -3,9 +3,11 @@
 Decode gathers every request's cached K/V into one padded [batch, max_len, kv_heads, head_dim] tensor
 (indices and mask built once per step) and attends with two grouped matmuls in fp32: the query heads
 sharing a KV head become the rows of one matmul, so GQA needs no K/V repetition. On the CPU this is
-several times faster than SDPA's flash kernel for one query token (docs/benchmarks.md); SDPA stays
-selectable (``decode_impl="sdpa"``) and the tests hold the two equal. Extend runs one SDPA per request
-with a causal mask offset by the cached prefix.
+several times faster than SDPA's flash kernel for one query token (docs/benchmarks.md). On x86 CPUs
+with AVX2 the runner picks ``decode_impl="avx2"``: the same fp32 arithmetic in one C++ kernel
+(layers/csrc/decode_attention_avx2.cpp) that reads each request's slots in place, instead of ~10 small
+torch ops per layer. SDPA stays selectable (``decode_impl="sdpa"``) and the tests hold the three
+equal. Extend runs one SDPA per request with a causal mask offset by the cached prefix.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from worker_svc.forward_batch import ForwardBatch, ForwardMode
 class DecodeMetadata:
     slot_index: torch.Tensor  # [batch, max_len] KV slots, padded with slot 0
     mask: torch.Tensor | None  # [batch, 1, 1, max_len] bool, None when every request has max_len tokens
+    seq_lens: torch.Tensor  # [batch] int64
 
 
 @dataclass
@@ -32,11 +35,18 @@ class ExtendMetadata:
     masks: list[torch.Tensor | None]  # per request [extend, seq] bool, None for a plain causal prefill
 
 
+DECODE_IMPLS = ("grouped_matmul", "sdpa", "avx2")
+
+
 class TorchNativeAttentionBackend:
-    def __init__(self, decode_impl: str = "grouped_matmul") -> None:
-        if decode_impl not in ("grouped_matmul", "sdpa"):
-            raise ValueError(f"decode_impl must be 'grouped_matmul' or 'sdpa', got {decode_impl!r}")
+    def __init__(self, decode_impl: str = "grouped_matmul", cpu_ops=None) -> None:
+        """``cpu_ops``: ``layers.cpu_ext.load()``'s kernels, required by ``decode_impl="avx2"``."""
+        if decode_impl not in DECODE_IMPLS:
+            raise ValueError(f"decode_impl must be one of {', '.join(DECODE_IMPLS)}, got {decode_impl!r}")
+        if decode_impl == "avx2" and cpu_ops is None:
+            raise ValueError("decode_impl 'avx2' needs the CPU kernels (layers.cpu_ext.load())")
         self.decode_impl = decode_impl
+        self.cpu_ops = cpu_ops
 
     def prepare(self, batch: ForwardBatch) -> None:
         if batch.mode is ForwardMode.DECODE:
@@ -48,12 +58,12 @@ class TorchNativeAttentionBackend:
     def _prepare_decode(batch: ForwardBatch) -> DecodeMetadata:
         max_len = max(batch.seq_lens)
         slot_index = batch.req_to_token[batch.req_rows, :max_len]
+        lens = torch.tensor(batch.seq_lens, dtype=torch.int64, device=slot_index.device)
         mask = None
         if min(batch.seq_lens) != max_len:
-            lens = torch.tensor(batch.seq_lens, device=slot_index.device)
             valid = torch.arange(max_len, device=slot_index.device)[None, :] < lens[:, None]
             mask = valid[:, None, None, :]
-        return DecodeMetadata(slot_index=slot_index, mask=mask)
+        return DecodeMetadata(slot_index=slot_index, mask=mask, seq_lens=lens)
 
     @staticmethod
     def _prepare_extend(batch: ForwardBatch) -> ExtendMetadata:
@@ -79,8 +89,8 @@ class TorchNativeAttentionBackend:
     ) -> torch.Tensor:
         batch.kv_pool.store(layer.layer_id, batch.out_slots, k, v)
         if batch.mode is ForwardMode.DECODE:
-            decode = self._decode_grouped if self.decode_impl == "grouped_matmul" else self._decode_sdpa
-            out = decode(q, layer, batch)
+            decode = {"grouped_matmul": self._decode_grouped, "sdpa": self._decode_sdpa, "avx2": self._decode_avx2}
+            out = decode[self.decode_impl](q, layer, batch)
         else:
             out = self._extend(q, k, v, layer, batch)
         return out.reshape(q.shape[0], layer.num_heads * layer.head_dim)
@@ -99,6 +109,11 @@ class TorchNativeAttentionBackend:
         probs = torch.softmax(scores, dim=-1)
         out = torch.matmul(probs, values.transpose(1, 2))  # [batch, kv_heads, groups, head_dim]
         return out.view(bsz, layer.num_heads, layer.head_dim).to(q.dtype)
+
+    def _decode_avx2(self, q: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch) -> torch.Tensor:
+        meta: DecodeMetadata = batch.attn_metadata
+        k_buf, v_buf = batch.kv_pool.buffers(layer.layer_id)
+        return self.cpu_ops.decode_attention(q.contiguous(), k_buf, v_buf, meta.slot_index, meta.seq_lens, layer.scaling)
 
     @staticmethod
     def _decode_sdpa(q: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch) -> torch.Tensor:
