@@ -25,6 +25,15 @@ def _one_intra_op_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _cpu_kernels_built():
+    """Build (or find) the AVX2 kernels before any test starts a worker process, so no worker
+    compiles them inside a start-up deadline."""
+    from worker_svc.layers import cpu_ext
+
+    cpu_ext.load()
+
+
 @pytest.fixture(scope="session")
 def model_factory(tmp_path_factory: pytest.TempPathFactory) -> ModelFactory:
     """make(preset="tiny", **variants) -> folder; each distinct spec is written once per session."""
