@@ -6,8 +6,9 @@
 // Request b attends over slots[b, :seq_lens[b]]; query head h reads KV head h / (Hq / Hkv). Scores,
 // softmax and the weighted sum are fp32, as the torch path computes them. The torch path gathers
 // every request's K/V into a padded fp32 copy first (several small ops per layer, each ~5-30 us on
-// this class of host); here each (request, KV head) reads its slots in place, and the query heads
-// that share a KV head share each K/V row load.
+// this class of host); here one task per (request, KV head) reads its slots in place (they stay in
+// L1 for the query heads that share them), scores eight keys per transposing reduction, and keeps
+// the value accumulators in registers for head sizes 32, 64 and 128.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -39,6 +40,31 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// Cephes' expf on 8 lanes: e^x = 2^n e^r, n = round(x / ln 2), r by a two-part ln 2, degree-6
+// polynomial; within ~2 ulp of std::exp, and 0 below -88 (softmax inputs here are <= 0).
+inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-88.3762626647949f));
+  const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.f)));
+  const __m256i exponent = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(exponent));
+}
+
+// Lane u of the result: the sum of a[u]'s lanes.
+inline __m256 hsum8(const __m256 a[8]) {
+  const __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 s4567 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
+}
+
 template <typename T>
 float dot(const float* a, const T* b, int64_t n) {
   __m256 acc = _mm256_setzero_ps();
@@ -49,12 +75,65 @@ float dot(const float* a, const T* b, int64_t n) {
   return sum;
 }
 
-template <typename T>
-void axpy(float alpha, const T* x, float* y, int64_t n) {  // y += alpha * x
-  const __m256 a = _mm256_set1_ps(alpha);
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(a, load8(x + i), _mm256_loadu_ps(y + i)));
-  for (; i < n; ++i) y[i] += alpha * static_cast<float>(x[i]);
+// scores[t] = query . keys[t] for t < len; eight keys at a time share one transposing reduction.
+template <typename cache_t>
+void score_keys(const float* query, const cache_t* const* keys, int64_t len, int64_t D, float* scores) {
+  int64_t t = 0;
+  for (; t + 8 <= len; t += 8) {
+    __m256 acc[8];
+    for (int u = 0; u < 8; ++u) acc[u] = _mm256_setzero_ps();
+    int64_t d = 0;
+    for (; d + 8 <= D; d += 8) {
+      const __m256 qv = _mm256_loadu_ps(query + d);
+      for (int u = 0; u < 8; ++u) acc[u] = _mm256_fmadd_ps(qv, load8(keys[t + u] + d), acc[u]);
+    }
+    _mm256_storeu_ps(scores + t, hsum8(acc));
+    for (; d < D; ++d)
+      for (int u = 0; u < 8; ++u) scores[t + u] += query[d] * static_cast<float>(keys[t + u][d]);
+  }
+  for (; t < len; ++t) scores[t] = dot(query, keys[t], D);
+}
+
+inline void softmax_in_place(float* row, int64_t len) {
+  float peak = -std::numeric_limits<float>::infinity();
+  for (int64_t t = 0; t < len; ++t) peak = std::max(peak, row[t]);
+  const __m256 peak8 = _mm256_set1_ps(peak);
+  __m256 total8 = _mm256_setzero_ps();
+  int64_t t = 0;
+  for (; t + 8 <= len; t += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(row + t), peak8));
+    _mm256_storeu_ps(row + t, e);
+    total8 = _mm256_add_ps(total8, e);
+  }
+  float total = hsum(total8);
+  for (; t < len; ++t) total += (row[t] = std::exp(row[t] - peak));
+  const float inv = 1.f / total;
+  for (t = 0; t < len; ++t) row[t] *= inv;
+}
+
+// out[0:8*NV] = sum_t probs[t] * values[t], the accumulators held in registers.
+template <int NV, typename cache_t>
+void weighted_sum(const float* probs, const cache_t* const* values, int64_t len, float* out) {
+  __m256 acc[NV];
+  for (int c = 0; c < NV; ++c) acc[c] = _mm256_setzero_ps();
+  for (int64_t t = 0; t < len; ++t) {
+    const __m256 p = _mm256_set1_ps(probs[t]);
+    for (int c = 0; c < NV; ++c) acc[c] = _mm256_fmadd_ps(p, load8(values[t] + 8 * c), acc[c]);
+  }
+  for (int c = 0; c < NV; ++c) _mm256_storeu_ps(out + 8 * c, acc[c]);
+}
+
+template <typename cache_t>
+void weighted_sum_any(const float* probs, const cache_t* const* values, int64_t len, int64_t Dv, float* out) {
+  switch (Dv) {
+    case 32: return weighted_sum<4>(probs, values, len, out);
+    case 64: return weighted_sum<8>(probs, values, len, out);
+    case 128: return weighted_sum<16>(probs, values, len, out);
+    default:
+      std::fill(out, out + Dv, 0.f);
+      for (int64_t t = 0; t < len; ++t)
+        for (int64_t d = 0; d < Dv; ++d) out[d] += probs[t] * static_cast<float>(values[t][d]);
+  }
 }
 
 template <typename cache_t, typename q_t>
@@ -63,32 +142,22 @@ void attend(const q_t* q, const cache_t* k_pool, const cache_t* v_pool, const in
             int64_t L, float scaling) {
   const int64_t groups = Hq / Hkv;
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> query(groups * D), scores, acc(groups * Dv);
+    std::vector<float> query(D), scores(L), acc(Dv);
+    std::vector<const cache_t*> keys(L), values(L);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / Hkv, kv_head = task % Hkv, len = seq_lens[b];
-      scores.assign(groups * len, 0.f);
-      for (int64_t g = 0; g < groups; ++g)  // [groups, D] fp32 query rows of this KV head
-        for (int64_t d = 0; d < D; ++d)
-          query[g * D + d] = static_cast<float>(q[(b * Hq + kv_head * groups + g) * D + d]) * scaling;
-      for (int64_t t = 0; t < len; ++t) {
-        const cache_t* key = k_pool + (slots[b * L + t] * Hkv + kv_head) * D;
-        for (int64_t g = 0; g < groups; ++g) scores[g * len + t] = dot(query.data() + g * D, key, D);
+      for (int64_t t = 0; t < len; ++t) {  // this KV head's rows, read in place from the pool
+        keys[t] = k_pool + (slots[b * L + t] * Hkv + kv_head) * D;
+        values[t] = v_pool + (slots[b * L + t] * Hkv + kv_head) * Dv;
       }
-      for (int64_t g = 0; g < groups; ++g) {  // softmax per query head, in place
-        float* row = scores.data() + g * len;
-        float peak = -std::numeric_limits<float>::infinity(), total = 0.f;
-        for (int64_t t = 0; t < len; ++t) peak = std::max(peak, row[t]);
-        for (int64_t t = 0; t < len; ++t) total += (row[t] = std::exp(row[t] - peak));
-        for (int64_t t = 0; t < len; ++t) row[t] /= total;
+      for (int64_t g = 0; g < groups; ++g) {  // the query heads sharing this KV head
+        const int64_t head = b * Hq + kv_head * groups + g;
+        for (int64_t d = 0; d < D; ++d) query[d] = static_cast<float>(q[head * D + d]) * scaling;
+        score_keys(query.data(), keys.data(), len, D, scores.data());
+        softmax_in_place(scores.data(), len);
+        weighted_sum_any(scores.data(), values.data(), len, Dv, acc.data());
+        for (int64_t d = 0; d < Dv; ++d) out[head * Dv + d] = static_cast<q_t>(acc[d]);
       }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < len; ++t) {
-        const cache_t* value = v_pool + (slots[b * L + t] * Hkv + kv_head) * Dv;
-        for (int64_t g = 0; g < groups; ++g) axpy(scores[g * len + t], value, acc.data() + g * Dv, Dv);
-      }
-      for (int64_t g = 0; g < groups; ++g)
-        for (int64_t d = 0; d < Dv; ++d)
-          out[(b * Hq + kv_head * groups + g) * Dv + d] = static_cast<q_t>(acc[g * Dv + d]);
     }
   });
 }
