@@ -28,6 +28,7 @@
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
+#include <vector>
 
 namespace {
 
@@ -60,8 +61,12 @@ constexpr int kPrefetchBlocks = 2;
 
 // ---- int8 weight-only ---------------------------------------------------------------------------
 
-template <int MB, int NB, typename out_t>
-void int8_block(const float* x, int64_t K, const int8_t* w, const float* scale, out_t* out, int64_t ldo) {
+inline __m256 load_weights8(const int8_t* p) { return widen_i8(p); }
+inline __m256 load_weights8(const float* p) { return _mm256_loadu_ps(p); }
+
+// out[m, n] = scale[n] * sum_k x[m, k] * w[n, k], for int8 weights or an fp32 panel (scale null).
+template <int MB, int NB, typename weight_t, typename out_t>
+void gemm_block(const float* x, int64_t K, const weight_t* w, const float* scale, out_t* out, int64_t ldo) {
   __m256 acc[MB][NB];
   for (int i = 0; i < MB; ++i)
     for (int j = 0; j < NB; ++j) acc[i][j] = _mm256_setzero_ps();
@@ -70,7 +75,7 @@ void int8_block(const float* x, int64_t K, const int8_t* w, const float* scale, 
     if (k % 64 == 0)  // one cache line per row: fetch the same line of the next block's rows
       for (int j = 0; j < NB; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + (kPrefetchBlocks * NB + j) * K + k), _MM_HINT_T0);
     __m256 wv[NB];
-    for (int j = 0; j < NB; ++j) wv[j] = widen_i8(w + j * K + k);
+    for (int j = 0; j < NB; ++j) wv[j] = load_weights8(w + j * K + k);
     for (int i = 0; i < MB; ++i) {
       const __m256 xv = _mm256_loadu_ps(x + i * K + k);
       for (int j = 0; j < NB; ++j) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
@@ -80,7 +85,7 @@ void int8_block(const float* x, int64_t K, const int8_t* w, const float* scale, 
     for (int j = 0; j < NB; ++j) {
       float sum = hsum(acc[i][j]);
       for (int64_t t = k; t < K; ++t) sum += x[i * K + t] * static_cast<float>(w[j * K + t]);
-      out[i * ldo + j] = static_cast<out_t>(sum * scale[j]);
+      out[i * ldo + j] = static_cast<out_t>(scale ? sum * scale[j] : sum);
     }
 }
 
@@ -163,55 +168,41 @@ void int4_block(const float* x_planes, int64_t Kp, const float* x_sum, int64_t K
     }
 }
 
-// Several activation rows: widen each weight vector once to (q - 8) * s + z in fp32 (the plane's
-// 16^t folded into the scale) and reuse it for MB rows, with NB weight rows sharing each x load.
-// x_padded [M, Kp]: x, zero beyond K.
-template <int MB, int NB, typename out_t, typename scale_t>
-void int4_block_dequant(const float* x_padded, int64_t Kp, int64_t K, const uint8_t* w, const scale_t* scale,
-                        const scale_t* zero, int64_t group, out_t* out, int64_t ldo) {
+// Several activation rows: dequantize a panel of weight rows to fp32 once, (q - 8) * s + z with the
+// plane's 16^t folded into the scale, then run the fp32 register-block kernel over every activation
+// row, so each weight is widened once per call rather than once per block of activation rows.
+constexpr int64_t kPanelRows = 8;
+
+template <typename scale_t>
+void dequantize_int4_rows(const uint8_t* w, int64_t rows, int64_t Kp, int64_t K, const scale_t* scale,
+                          const scale_t* zero, int64_t group, float* panel) {
   const int64_t groups = K / group, blocks = Kp / kInt4Block, row_bytes = Kp / 2;
-  __m256 acc[MB][NB];
-  for (int i = 0; i < MB; ++i)
-    for (int j = 0; j < NB; ++j) acc[i][j] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < blocks; ++b) {
-    __m256i words[NB];
-    __m256 s_lo[NB], o_lo[NB], s_hi[NB], o_hi[NB];
-    const int64_t k = b * kInt4Block;
-    for (int j = 0; j < NB; ++j) {
-      const uint8_t* row = w + j * row_bytes + b * 32;
-      _mm_prefetch(reinterpret_cast<const char*>(row + kPrefetchBlocks * NB * row_bytes), _MM_HINT_T0);
-      words[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row));
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t b = 0; b < blocks; ++b) {
+      const __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + r * row_bytes + b * 32));
+      __m256 s[2], o[2];
       for (int half = 0; half < 2; ++half) {
-        const int64_t g = std::min((k + 32 * half) / group, groups - 1);  // a padded half multiplies x = 0
-        const float sv = static_cast<float>(scale[j * groups + g]);
-        (half ? s_hi : s_lo)[j] = _mm256_set1_ps(sv);
-        (half ? o_hi : o_lo)[j] = _mm256_set1_ps(static_cast<float>(zero[j * groups + g]) - 8.f * sv);
+        const int64_t g = std::min((b * kInt4Block + 32 * half) / group, groups - 1);  // padding meets x = 0
+        const float sv = static_cast<float>(scale[r * groups + g]);
+        s[half] = _mm256_set1_ps(sv);
+        o[half] = _mm256_set1_ps(static_cast<float>(zero[r * groups + g]) - 8.f * sv);
       }
+      float* dst = panel + r * Kp + b * kInt4Block;
+      auto plane = [&](auto t_const) {
+        constexpr int T = decltype(t_const)::value;
+        const __m256 unit = _mm256_set1_ps(T == 7 ? 1.f : 1.f / float(1 << (4 * T)));  // undo the plane's 16^T
+        const int half = T < 4 ? 0 : 1;
+        _mm256_storeu_ps(dst + 8 * T, _mm256_fmadd_ps(nibble_plane<T>(words), _mm256_mul_ps(s[half], unit), o[half]));
+      };
+      plane(std::integral_constant<int, 0>{});
+      plane(std::integral_constant<int, 1>{});
+      plane(std::integral_constant<int, 2>{});
+      plane(std::integral_constant<int, 3>{});
+      plane(std::integral_constant<int, 4>{});
+      plane(std::integral_constant<int, 5>{});
+      plane(std::integral_constant<int, 6>{});
+      plane(std::integral_constant<int, 7>{});
     }
-    auto plane = [&](auto t_const) {
-      constexpr int T = decltype(t_const)::value;
-      const __m256 unit = _mm256_set1_ps(T == 7 ? 1.f : 1.f / float(1 << (4 * T)));  // undo the plane's 16^T
-      __m256 wv[NB];
-      for (int j = 0; j < NB; ++j) {
-        const __m256 s = _mm256_mul_ps(T < 4 ? s_lo[j] : s_hi[j], unit);
-        wv[j] = _mm256_fmadd_ps(nibble_plane<T>(words[j]), s, T < 4 ? o_lo[j] : o_hi[j]);
-      }
-      for (int i = 0; i < MB; ++i) {
-        const __m256 xv = _mm256_loadu_ps(x_padded + i * Kp + k + 8 * T);
-        for (int j = 0; j < NB; ++j) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
-      }
-    };
-    plane(std::integral_constant<int, 0>{});
-    plane(std::integral_constant<int, 1>{});
-    plane(std::integral_constant<int, 2>{});
-    plane(std::integral_constant<int, 3>{});
-    plane(std::integral_constant<int, 4>{});
-    plane(std::integral_constant<int, 5>{});
-    plane(std::integral_constant<int, 6>{});
-    plane(std::integral_constant<int, 7>{});
-  }
-  for (int i = 0; i < MB; ++i)
-    for (int j = 0; j < NB; ++j) out[i * ldo + j] = static_cast<out_t>(hsum(acc[i][j]));
 }
 
 // ---- int8 dynamic (int8 activations x int8 weights -> int32) ------------------------------------
@@ -286,7 +277,7 @@ struct Int8Block {
   const float* x; const int8_t* w; const float* scale; out_t* out; int64_t N, K;
   template <int MB, int NB>
   void run(int64_t m, int64_t n) const {
-    int8_block<MB, NB>(x + m * K, K, w + n * K, scale + n, out + m * N + n, N);
+    gemm_block<MB, NB>(x + m * K, K, w + n * K, scale + n, out + m * N + n, N);
   }
 };
 
@@ -302,14 +293,12 @@ struct Int4PlanesBlock {
   }
 };
 
-template <typename out_t, typename scale_t>
-struct Int4DequantBlock {
-  const float* x_padded; const uint8_t* w; const scale_t* scale; const scale_t* zero; out_t* out; int64_t N, K, Kp, group;
+template <typename out_t>
+struct Fp32PanelBlock {  // activation rows x a dequantized panel; n is relative to the panel
+  const float* x; const float* panel; out_t* out; int64_t N, Kp;
   template <int MB, int NB>
   void run(int64_t m, int64_t n) const {
-    const int64_t groups = K / group;
-    int4_block_dequant<MB, NB>(x_padded + m * Kp, Kp, K, w + n * Kp / 2, scale + n * groups, zero + n * groups, group,
-                               out + m * N + n, N);
+    gemm_block<MB, NB>(x + m * Kp, Kp, panel + n * Kp, static_cast<const float*>(nullptr), out + m * N + n, N);
   }
 };
 
@@ -373,14 +362,24 @@ at::Tensor int4_weight_linear(const at::Tensor& x, const at::Tensor& packed, con
   auto out = at::empty({M, N}, x.options());
   if (M > 1) {
     auto x_padded = Kp == K ? x32 : at::constant_pad_nd(x32, {0, Kp - K});
+    const float* xpad = x_padded.data_ptr<float>();
+    const uint8_t* w = packed.data_ptr<uint8_t>();
     llmserve::dispatch_float(out.scalar_type(), "int4_weight_linear", [&](auto out_zero) {
       using out_t = decltype(out_zero);
       llmserve::dispatch_float(scale.scalar_type(), "int4_weight_linear", [&](auto scale_zero) {
         using scale_t = decltype(scale_zero);
-        Int4DequantBlock<out_t, scale_t> block{x_padded.data_ptr<float>(), packed.data_ptr<uint8_t>(),
-                                               scale.data_ptr<scale_t>(), zero.data_ptr<scale_t>(),
-                                               out.data_ptr<out_t>(), N, K, Kp, group};
-        parallel_tiles<kNBMulti, kNBMulti>(M, N, K, block);
+        const scale_t* scales = scale.data_ptr<scale_t>();
+        const scale_t* zeros = zero.data_ptr<scale_t>();
+        out_t* outp = out.data_ptr<out_t>();
+        at::parallel_for(0, (N + kPanelRows - 1) / kPanelRows, 1, [&](int64_t begin, int64_t end) {
+          std::vector<float> panel(kPanelRows * Kp);
+          for (int64_t p = begin; p < end; ++p) {
+            const int64_t n0 = p * kPanelRows, rows = std::min(kPanelRows, N - n0);
+            dequantize_int4_rows(w + n0 * Kp / 2, rows, Kp, K, scales + n0 * groups, zeros + n0 * groups, group,
+                                 panel.data());
+            tile<kNBMulti>(M, 0, rows, Fp32PanelBlock<out_t>{xpad, panel.data(), outp + n0, N, Kp});
+          }
+        });
       });
     });
     return out;
