@@ -27,6 +27,7 @@ from worker_svc.layers.cpu_kernels import (
 )
 from worker_svc.layers.embedding import ParallelLMHead
 from worker_svc.layers.linear import KernelLinear, embedding_parameter_ids, release_weight
+from worker_svc.layers.norm import RMSNorm
 from worker_svc.kvcache import KVSlotAllocator, MHAKVPool, MLAKVPool, ReqToTokenTable
 from worker_svc.loader import load_checkpoint
 from worker_svc.models.registry import model_class
@@ -102,6 +103,7 @@ class ModelRunner:
             model, quant, self.dtype, self.device, self.engine.quantize_lm_head, self.engine.cpu_quant_kernel
         )
         self._select_linear_kernels(model)
+        self._select_norm_kernels(model)
         self.weight_nbytes = self.weight_bytes(model)
         model.eval()
         log.info(
@@ -142,6 +144,12 @@ class ModelRunner:
             else:
                 module.kernel = blocked
         log.info("cpu bf16 linear kernel", kernel=choice)
+
+    def _select_norm_kernels(self, model: torch.nn.Module) -> None:
+        cpu_ops = cpu_ext.load() if self.device.type == "cpu" else None
+        for module in model.modules():
+            if isinstance(module, RMSNorm):
+                module.cpu_ops = cpu_ops
 
     @staticmethod
     def weight_bytes(model: torch.nn.Module) -> int:

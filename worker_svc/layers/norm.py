@@ -1,4 +1,11 @@
-"""RMSNorm computed in float32, as the HF reference does, then cast back to the activation dtype."""
+"""RMSNorm computed in float32, as the HF reference does, then cast back to the activation dtype.
+
+On x86 CPUs the runner sets ``cpu_ops`` (layers/cpu_ext.py): one C++ op per call, rounding where
+this torch path rounds, instead of 6-8 small torch ops (~40 us per decode-step call on this host).
+It is used for bf16 / fp16 activations only: its sum of squares runs in another order than torch's,
+which in fp32 moves logits by a few ulps, enough to spend the oracle tests' 1e-4 margin on models
+whose logits reach ~70; rounded to 8 or 11 mantissa bits the two agree (tests/unit/test_norm.py).
+"""
 
 from __future__ import annotations
 
@@ -12,12 +19,25 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         self.eps = eps
+        self.cpu_ops = None
+
+    def _fused(self, x: torch.Tensor) -> bool:
+        return (
+            self.cpu_ops is not None
+            and x.dtype in (torch.bfloat16, torch.float16)
+            and x.dtype == self.weight.dtype
+            and x.is_contiguous()
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._fused(x):
+            return self.cpu_ops.rms_norm(x, self.weight, self.eps)
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)  # fused; same math as HF's
         return self.weight * normed.to(x.dtype)
 
     def forward_with_residual(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """residual += x; return (norm(residual), residual). Adds in the activation dtype like HF."""
+        if self._fused(x) and residual.is_contiguous() and residual.dtype == x.dtype:
+            return self.cpu_ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
         residual = residual + x
         return self.forward(residual), residual
