@@ -15,7 +15,7 @@
 
 #include <immintrin.h>
 
-#include "dispatch.h"
+#include "common.h"
 
 #include <cmath>
 #include <cstdint>
@@ -24,6 +24,8 @@
 
 namespace {
 
+using llmserve::hsum;
+
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const c10::BFloat16* p) {  // bf16 -> fp32 is a 16-bit shift
   const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
@@ -31,13 +33,6 @@ inline __m256 load8(const c10::BFloat16* p) {  // bf16 -> fp32 is a 16-bit shift
 }
 inline __m256 load8(const c10::Half* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
 }
 
 // Cephes' expf on 8 lanes: e^x = 2^n e^r, n = round(x / ln 2), r by a two-part ln 2, degree-6

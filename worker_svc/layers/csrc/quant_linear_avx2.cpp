@@ -23,7 +23,7 @@
 
 #include <immintrin.h>
 
-#include "dispatch.h"
+#include "common.h"
 
 #include <cmath>
 #include <cstdint>
@@ -32,19 +32,7 @@
 
 namespace {
 
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-inline int32_t hsum(__m256i v) {
-  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1)));
-  return _mm_cvtsi128_si32(s);
-}
+using llmserve::hsum;
 
 inline __m256 widen_i8(const int8_t* p) {  // 8 x int8 -> 8 x f32
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
@@ -311,23 +299,19 @@ struct Int8DynamicBlock {
   }
 };
 
-void check_common(const at::Tensor& x, const at::Tensor& w) {
-  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "quantized CPU linear: tensors must be on the CPU");
-  TORCH_CHECK(x.dim() == 2, "quantized CPU linear: x must be [rows, in_features]");
-  TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), "quantized CPU linear: weight must be a contiguous matrix");
-  TORCH_CHECK(w.size(1) == x.size(1), "quantized CPU linear: x has ", x.size(1), " features, the weight ",
-              w.size(1));
-}
-
-void check_channel_scale(const at::Tensor& w, const at::Tensor& scale) {
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == w.size(0),
-              "quantized CPU linear: scale must be contiguous float32 with one value per output feature");
+// Both int8 ops: x [rows, K], contiguous int8 qweight [N, K], float32 scale [N].
+void check_int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, const char* op) {
+  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), op, ": tensors must be on the CPU");
+  TORCH_CHECK(x.dim() == 2, op, ": x must be [rows, in_features]");
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.scalar_type() == at::kChar, op,
+              ": qweight must be a contiguous int8 matrix");
+  TORCH_CHECK(w.size(1) == x.size(1), op, ": x has ", x.size(1), " features, the weight ", w.size(1));
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == w.size(0), op,
+              ": scale must be contiguous float32 with one value per output feature");
 }
 
 at::Tensor int8_weight_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale) {
-  check_common(x, qweight);
-  check_channel_scale(qweight, scale);
-  TORCH_CHECK(qweight.scalar_type() == at::kChar, "int8_weight_linear: qweight must be int8");
+  check_int8_linear(x, qweight, scale, "int8_weight_linear");
   const auto x32 = x.to(at::kFloat).contiguous();
   const int64_t M = x.size(0), N = qweight.size(0), K = qweight.size(1);
   auto out = at::empty({M, N}, x.options());
@@ -414,9 +398,7 @@ at::Tensor int4_weight_linear(const at::Tensor& x, const at::Tensor& packed, con
 }
 
 at::Tensor int8_dynamic_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale) {
-  check_common(x, qweight);
-  check_channel_scale(qweight, scale);
-  TORCH_CHECK(qweight.scalar_type() == at::kChar, "int8_dynamic_linear: qweight must be int8");
+  check_int8_linear(x, qweight, scale, "int8_dynamic_linear");
   const auto x32 = x.to(at::kFloat).contiguous();
   const int64_t M = x.size(0), N = qweight.size(0), K = qweight.size(1);
   auto xq = at::empty({M, K}, x.options().dtype(at::kChar));
