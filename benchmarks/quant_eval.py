@@ -4,7 +4,8 @@ teacher-forced positions) and decode speed, every config measured interleaved in
     python benchmarks/quant_eval.py --model /tmp/m/bench [--configs int8wo int4wo-128 int8dq int8wo+head]
         [--cpu-quant-kernel auto|avx2|aten]
 
-A config name ending in ``+head`` also quantizes the LM head (``--quantize-lm-head``).
+A config name ending in ``+head`` also quantizes the LM head (``--quantize-lm-head``); one ending
+in ``@aten`` or ``@avx2`` picks that kernel set (``--cpu-quant-kernel``), e.g. ``int4wo-128@aten``.
 """
 
 from __future__ import annotations
@@ -48,6 +49,13 @@ def decode_step_time(runner: ModelRunner, batch_size: int, input_len: int, steps
         batch.release()
 
 
+def engine_config(model: str, name: str, cpu_quant_kernel: str) -> EngineConfig:
+    config, _, kernel = name.partition("@")
+    return EngineConfig(model_path=model, dtype="bfloat16", max_total_tokens=8192,
+                        torchao_config=config.removesuffix("+head"), quantize_lm_head=config.endswith("+head"),
+                        cpu_quant_kernel=kernel or cpu_quant_kernel)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)
@@ -62,13 +70,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    runners = {
-        name: ModelRunner(EngineConfig(model_path=args.model, dtype="bfloat16", max_total_tokens=8192,
-                                       torchao_config=name.removesuffix("+head"),
-                                       quantize_lm_head=name.endswith("+head"),
-                                       cpu_quant_kernel=args.cpu_quant_kernel))
-        for name in ["none", *args.configs]
-    }
+    runners = {name: ModelRunner(engine_config(args.model, name, args.cpu_quant_kernel)) for name in ["none", *args.configs]}
     if not args.speed_only:
         report_accuracy(runners, args.configs, args.positions)
     report_speed(runners, args.batch_sizes, args.rounds, args.steps)
@@ -86,7 +88,7 @@ def report_accuracy(runners: dict[str, ModelRunner], configs: list[str], positio
         kl = (base_logp.exp() * (base_logp - logits.log_softmax(-1))).sum(-1).mean().item()
         top1 = (logits.argmax(-1) == base.argmax(-1)).float().mean().item()
         cos = torch.nn.functional.cosine_similarity(logits, base, dim=-1).mean().item()
-        print(f"  {name:12s} mean KL {kl:.5f}  top-1 agreement {top1:.3f}  logits cosine {cos:.4f}  "
+        print(f"  {name:18s} mean KL {kl:.5f}  top-1 agreement {top1:.3f}  logits cosine {cos:.4f}  "
               f"weight bytes {runners[name].weight_nbytes / 2**20:.1f} MiB (bf16 {runners['none'].weight_nbytes / 2**20:.1f})")
 
 
@@ -98,7 +100,7 @@ def report_speed(runners: dict[str, ModelRunner], batch_sizes: list[int], rounds
                 best[name] = min(best[name], decode_step_time(runner, bs, 128, steps))
         print(f"decode step, batch {bs}, input 128 (best of {rounds} interleaved medians):")
         for name, t in best.items():
-            print(f"  {name:12s} {t * 1e3:7.2f} ms  {bs / t:7.1f} tok/s  speed-up vs bf16 {best['none'] / t:.2f}x")
+            print(f"  {name:18s} {t * 1e3:7.2f} ms  {bs / t:7.1f} tok/s  speed-up vs bf16 {best['none'] / t:.2f}x")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Build and load this project's AVX2 CPU kernels (``worker_svc/layers/csrc/*.cpp``) on first use:
 
 - quant_linear_avx2.cpp: int8 / int4 weight-only and int8 dynamic linears (worker_svc/quant.py);
-- decode_attention_avx2.cpp: one-token attention over the paged KV pool (attention/torch_native.py).
+- decode_attention_avx2.cpp: one-token attention over the paged KV pool (attention/torch_native.py);
+- rms_norm_avx2.cpp: RMSNorm and residual-add + RMSNorm for bf16/fp16 (layers/norm.py).
 
 The library is compiled by ``torch.utils.cpp_extension`` into torch's extension cache
 (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``) the first time a process asks for
