@@ -19,7 +19,8 @@ BENCH_SHAPES = [(1536, 1024), (1024, 1024), (5632, 1024), (1024, 2816)] * 8 + [(
 
 
 def quantized_kernels(weights: list[torch.Tensor]) -> dict[str, list]:
-    from worker_svc.quant import Int4WeightOnlyKernel, Int8DynamicKernel, Int8WeightOnlyKernel, cpu_quant_ops
+    from worker_svc.layers.quant_kernels import Int4WeightOnlyKernel, Int8DynamicKernel, Int8WeightOnlyKernel
+    from worker_svc.quant import cpu_quant_ops
 
     kernels: dict[str, list] = {}
     backends = {"aten": None}

@@ -11,7 +11,8 @@ import torch
 from llmserve.bench.driver import greedy_with_split_prefill
 from tests.unit.oracle import encode_prompts
 from worker_svc.engine_config import EngineConfig
-from worker_svc.quant import Int4WeightOnlyKernel, Int8WeightOnlyKernel, dequantized_reference
+from worker_svc.layers.quant_kernels import Int4WeightOnlyKernel, Int8WeightOnlyKernel
+from worker_svc.quant import dequantized_reference
 from worker_svc.runner import ModelRunner
 
 OUTPUT_LEN = 8

@@ -44,7 +44,7 @@ def test_int8dq_aten_kernel_matches_its_reference_per_layer(rows):
     """int8dq also quantizes activations per token, a step function: through a whole model, 1-ulp
     differences upstream flip an occasional rounding, so the kernel is held to the reference layer
     by layer on identical inputs (weight-only configs are held to it on whole-model logits above)."""
-    from worker_svc.quant import Int8DynamicKernel
+    from worker_svc.layers.quant_kernels import Int8DynamicKernel
 
     gen = torch.Generator().manual_seed(rows)
     weight = torch.randn(96, 64, generator=gen) * 0.05

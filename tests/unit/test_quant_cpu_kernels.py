@@ -9,7 +9,13 @@ import pytest
 import torch
 
 from worker_svc.layers import cpu_ext
-from worker_svc.quant import Int4WeightOnlyKernel, Int8DynamicKernel, Int8WeightOnlyKernel, pack_nibbles, unpack_nibbles
+from worker_svc.layers.quant_kernels import (
+    Int4WeightOnlyKernel,
+    Int8DynamicKernel,
+    Int8WeightOnlyKernel,
+    pack_nibbles,
+    unpack_nibbles,
+)
 
 OPS = cpu_ext.load()
 pytestmark = pytest.mark.skipif(OPS is None, reason="AVX2 kernels unavailable on this host (not x86-64 AVX2 or no compiler)")
