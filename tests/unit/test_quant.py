@@ -21,8 +21,14 @@ def _runner(model_dir, config, dtype="float32", **kw) -> ModelRunner:
                                     torchao_config=config, **kw))
 
 
-@pytest.mark.parametrize("preset", ["tiny", "small"])
-@pytest.mark.parametrize("config", WEIGHT_ONLY)
+# tiny's hidden size (64) fits groups up to 64; small (hidden 256, intermediate 512) every group size.
+REFERENCE_CASES = [(preset, config) for preset in ("tiny", "small") for config in WEIGHT_ONLY] + [
+    ("small", "int4wo-128"),
+    ("small", "int4wo-256"),
+]
+
+
+@pytest.mark.parametrize("preset,config", REFERENCE_CASES)
 @pytest.mark.parametrize("cpu_kernel", ["avx2", "aten"])
 def test_quantized_kernels_match_dequantized_reference(model_factory, preset, config, cpu_kernel):
     if cpu_kernel == "avx2" and cpu_ext.load() is None:
