@@ -83,7 +83,9 @@ class ModelRunner:
     def _mha_backend(self) -> TorchNativeAttentionBackend:
         """The AVX2 decode-attention kernel on x86 CPUs that have it, else the grouped fp32 matmuls."""
         cpu_ops = cpu_ext.load() if self.device.type == "cpu" else None
-        return TorchNativeAttentionBackend("avx2" if cpu_ops is not None else "grouped_matmul", cpu_ops)
+        decode_impl = "avx2" if cpu_ops is not None else "grouped_matmul"
+        log.info("attention backend", backend="torch_native", decode=decode_impl)
+        return TorchNativeAttentionBackend(decode_impl, cpu_ops)
 
     def _load_model(self) -> torch.nn.Module:
         quant = parse_quant_config(self.engine.torchao_config)

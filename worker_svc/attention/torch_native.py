@@ -47,6 +47,9 @@ class TorchNativeAttentionBackend:
             raise ValueError("decode_impl 'avx2' needs the CPU kernels (layers.cpu_ext.load())")
         self.decode_impl = decode_impl
         self.cpu_ops = cpu_ops
+        self._decode = {"grouped_matmul": self._decode_grouped, "sdpa": self._decode_sdpa, "avx2": self._decode_avx2}[
+            decode_impl
+        ]
 
     def prepare(self, batch: ForwardBatch) -> None:
         if batch.mode is ForwardMode.DECODE:
@@ -89,8 +92,7 @@ class TorchNativeAttentionBackend:
     ) -> torch.Tensor:
         batch.kv_pool.store(layer.layer_id, batch.out_slots, k, v)
         if batch.mode is ForwardMode.DECODE:
-            decode = {"grouped_matmul": self._decode_grouped, "sdpa": self._decode_sdpa, "avx2": self._decode_avx2}
-            out = decode[self.decode_impl](q, layer, batch)
+            out = self._decode(q, layer, batch)
         else:
             out = self._extend(q, k, v, layer, batch)
         return out.reshape(q.shape[0], layer.num_heads * layer.head_dim)
