@@ -33,6 +33,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from smg_grpc_proto import sglang_scheduler_pb2 as spb
 
+from llmserve.grpc_listen import grpc_address, listen
 from llmserve.logging import get_logger, request_context
 from llmserve.v1 import router_pb2 as pb
 from llmserve.v1 import tokenizer_pb2 as tpb
@@ -682,10 +683,6 @@ class RouterServicer:
 # ---- server lifecycle ----------------------------------------------------------------------------
 
 
-def _address(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
-
-
 @dataclass
 class RunningRouter:
     server: grpc.aio.Server
@@ -716,9 +713,7 @@ async def start_router(options: RouterOptions, host: str = "127.0.0.1", port: in
     server.add_registered_method_handlers(SERVICE_NAME, handlers)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, "grpc.health.v1.Health", reflection.SERVICE_NAME), server)
-    bound = server.add_insecure_port(_address(host, port))
-    if bound == 0:
-        raise OSError(f"cannot listen on {_address(host, port)}")
+    bound = listen(server, host, port)
     await server.start()
     servicer.start()
     return RunningRouter(server, bound, servicer, health_servicer)
@@ -726,7 +721,7 @@ async def start_router(options: RouterOptions, host: str = "127.0.0.1", port: in
 
 async def _serve(options: RouterOptions, host: str, port: int, port_file: str | None, grace: float) -> int:
     running = await start_router(options, host, port)
-    log.info("router listening", address=_address(host, running.port), tokenizer=options.tokenizer,
+    log.info("router listening", address=grpc_address(host, running.port), tokenizer=options.tokenizer,
              workers=list(options.workers), policy=options.policy)
     if port_file:
         tmp = Path(f"{port_file}.tmp")

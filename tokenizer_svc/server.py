@@ -18,6 +18,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from llmserve.grpc_listen import grpc_address, listen
 from llmserve.logging import get_logger, request_context
 from llmserve.v1 import tokenizer_pb2 as pb
 from llmserve.v1 import tokenizer_pb2_grpc as pb_grpc
@@ -145,10 +146,6 @@ class RunningServer:
         await self.server.stop(grace)
 
 
-def _address(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
-
-
 async def start_server(model: str | Path | ModelTokenizer, host: str = "127.0.0.1", port: int = 0) -> RunningServer:
     """Start serving on host:port (port 0 picks a free one); return the server and its bound port."""
     tokenizer = model if isinstance(model, ModelTokenizer) else ModelTokenizer.from_dir(model)
@@ -157,9 +154,7 @@ async def start_server(model: str | Path | ModelTokenizer, host: str = "127.0.0.
     health_servicer = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, "grpc.health.v1.Health", reflection.SERVICE_NAME), server)
-    bound = server.add_insecure_port(_address(host, port))
-    if bound == 0:
-        raise OSError(f"cannot listen on {_address(host, port)}")
+    bound = listen(server, host, port)
     await server.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -168,7 +163,7 @@ async def start_server(model: str | Path | ModelTokenizer, host: str = "127.0.0.
 
 async def _serve(model_dir: str | Path, host: str, port: int, port_file: str | Path | None) -> int:
     running = await start_server(model_dir, host, port)
-    log.info("tokenizer service listening", address=_address(host, running.port), model=str(model_dir))
+    log.info("tokenizer service listening", address=grpc_address(host, running.port), model=str(model_dir))
     if port_file is not None:
         tmp = Path(f"{port_file}.tmp")
         tmp.write_text(f"{running.port}\n")

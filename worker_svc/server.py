@@ -33,6 +33,7 @@ from smg_grpc_proto import sglang_scheduler_pb2 as pb
 from smg_grpc_proto import sglang_scheduler_pb2_grpc as pb_grpc
 from smg_grpc_proto.generated import common_pb2
 
+from llmserve.grpc_listen import grpc_address, listen
 from worker_svc import grpc_convert
 from worker_svc.engine import Engine
 from worker_svc.engine_loop import EngineLoop, EngineUnavailable, LoopState
@@ -476,10 +477,6 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
         return pb.ListLoadedLoRAAdaptersResponse()
 
 
-def _bind_address(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
-
-
 class WorkerServer:
     """The engine loop plus a grpc.aio server with the scheduler and health services."""
 
@@ -506,7 +503,7 @@ class WorkerServer:
 
     @property
     def address(self) -> str:
-        return _bind_address(self.host, self.port if self.port is not None else self.requested_port)
+        return grpc_address(self.host, self.port if self.port is not None else self.requested_port)
 
     async def start(self) -> int:
         aio_loop = asyncio.get_running_loop()
@@ -520,9 +517,7 @@ class WorkerServer:
         self.health = WorkerHealth(self.servicer.liveness)
         pb_grpc.add_SglangSchedulerServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        self.port = self.server.add_insecure_port(_bind_address(self.host, self.requested_port))
-        if not self.port:
-            raise RuntimeError(f"could not bind {_bind_address(self.host, self.requested_port)}")
+        self.port = listen(self.server, self.host, self.requested_port)
         health = self.health
 
         def on_engine_failure(exc: BaseException) -> None:

@@ -205,7 +205,8 @@ async def serve_follower(
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     from worker_svc.runner import ModelRunner
-    from worker_svc.server import WorkerHealth, _bind_address
+    from llmserve.grpc_listen import grpc_address, listen
+    from worker_svc.server import WorkerHealth
     from worker_svc.step_broadcast import FollowerLoop
     from worker_svc.tp_group import destroy_tp, init_tp, tp_barrier
 
@@ -236,12 +237,10 @@ async def serve_follower(
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     health = WorkerHealth(liveness)
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    bound = server.add_insecure_port(_bind_address(host, port))
-    if not bound:
-        raise RuntimeError(f"could not bind {_bind_address(host, port)}")
+    bound = listen(server, host, port)
     await server.start()
     await health.set_all(health_pb2.HealthCheckResponse.SERVING)
-    log.info("tp follower serving", tp_rank=rank, tp_size=size, health_address=_bind_address(host, bound))
+    log.info("tp follower serving", tp_rank=rank, tp_size=size, health_address=grpc_address(host, bound))
     if on_listening is not None:
         on_listening(bound)
 
