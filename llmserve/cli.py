@@ -8,6 +8,7 @@ from llmserve import protos_gen as gen_protos_command
 from llmserve import worker_command
 from llmserve.bench import one_batch as bench_one_batch_command
 from llmserve.modelgen import command as make_model_command
+from llmserve.packaged_models import command as packaged_models_command
 from tokenizer_svc import command as tokenizer_command
 
 # Each entry adds one subparser and sets `func(args) -> int` as its default. New subcommands
@@ -15,6 +16,7 @@ from tokenizer_svc import command as tokenizer_command
 Register = Callable[["argparse._SubParsersAction[argparse.ArgumentParser]"], None]
 SUBCOMMANDS: tuple[Register, ...] = (
     make_model_command.register,
+    packaged_models_command.register,
     bench_one_batch_command.register,
     gen_protos_command.register,
     tokenizer_command.register,

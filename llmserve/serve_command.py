@@ -1,7 +1,7 @@
 """`llmserve serve`: a whole local cluster on this machine, as child processes.
 
     llmserve serve --model DIR [--dp M] [--port 30000] [--host 127.0.0.1] [engine flags] \\
-        [--demo-prompt TEXT [--exit-after-demo]]
+        [--demo-prompt TEXT | --demo-chat TEXT] [--exit-after-demo]
 
 Starts the tokenizer service and M workers (each on an ephemeral port it reports through
 --port-file), waits until every one answers grpc.health.v1 SERVING, then starts the router in front
@@ -57,8 +57,11 @@ def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") 
     g.add_argument("--probe-interval", type=float, default=1.0, metavar="S",
                    help="the router's worker probe interval (default 1)")
     d = p.add_argument_group("demo")
-    d.add_argument("--demo-prompt", default=None, metavar="TEXT",
-                   help="once ready, stream one greedy generation of TEXT through the router")
+    demo = d.add_mutually_exclusive_group()
+    demo.add_argument("--demo-prompt", default=None, metavar="TEXT",
+                      help="once ready, stream one greedy generation of TEXT through the router")
+    demo.add_argument("--demo-chat", default=None, metavar="TEXT",
+                      help="once ready, stream a greedy chat answer to the user message TEXT through the router")
     d.add_argument("--demo-max-new-tokens", type=int, default=32, metavar="N")
     d.add_argument("--exit-after-demo", action="store_true", help="shut down after the demo instead of serving")
     p.set_defaults(func=run)
@@ -186,11 +189,19 @@ def _demo(router: str, args: argparse.Namespace) -> bool:
 
     from router.client import RouterClient
 
-    print(f"llmserve serve: demo: {args.demo_prompt!r} ->", flush=True)
+    sampling = {"max_new_tokens": args.demo_max_new_tokens, "temperature": 0.0}
+    if args.demo_chat is not None:
+        print(f"llmserve serve: demo chat: {args.demo_chat!r} ->", flush=True)
+    else:
+        print(f"llmserve serve: demo: {args.demo_prompt!r} ->", flush=True)
     try:
         with RouterClient(router) as client:
+            if args.demo_chat is not None:
+                stream = client.chat([("user", args.demo_chat)], **sampling)
+            else:
+                stream = client.generate(args.demo_prompt, **sampling)
             finish = None
-            for d in client.generate(args.demo_prompt, max_new_tokens=args.demo_max_new_tokens, temperature=0.0):
+            for d in stream:
                 sys.stdout.write(d.text)
                 sys.stdout.flush()
                 finish = d.finish or finish
@@ -289,7 +300,7 @@ def _run_cluster(args: argparse.Namespace, model: Path, log_dir: Path, stop: thr
         print(f"        llmserve chat --router {address}")
         print(f"llmserve serve: router listening on {address}", flush=True)
 
-        if args.demo_prompt is not None:
+        if args.demo_prompt is not None or args.demo_chat is not None:
             ok = _demo(address, args)
             if args.exit_after_demo:
                 _stop_children([[router], backends], args.shutdown_grace)

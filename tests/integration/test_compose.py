@@ -47,7 +47,7 @@ def test_compose_file_is_valid_and_commands_parse(config: dict) -> None:
     services = config["services"]
     assert {"model", "tokenizer", "worker-0", "router"} <= set(services)
     parsed = {name: _parse(svc["command"]) for name, svc in services.items()}
-    assert {a.command for a in parsed.values()} == {"make-model", "tokenizer", "worker", "router"}
+    assert {a.command for a in parsed.values()} == {"fetch-model", "tokenizer", "worker", "router"}
     for name, args in parsed.items():
         svc = services[name]
         assert svc["image"] == "llmserve:latest" and svc["build"]["dockerfile"] == "docker/Dockerfile"
@@ -104,7 +104,7 @@ def test_compose_addresses_match_listening_ports(config: dict) -> None:
     assert published == [("127.0.0.1", r.port, r.port)]
     assert all("ports" not in s for n, s in services.items() if n != router)
     # The model the init service writes is the one the servers load, through the shared volume.
-    (model_out,) = [a.out for a in parsed.values() if a.command == "make-model"]
+    (model_out,) = [str(a.out) for a in parsed.values() if a.command == "fetch-model"]
     for name, args in parsed.items():
         if args.command in ("tokenizer", "worker"):
             assert args.model == model_out
