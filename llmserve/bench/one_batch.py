@@ -52,42 +52,17 @@ def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") 
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from worker_svc.runner import ModelRunner
+    from llmserve.bench.runners import open_runner
 
     if args.threads:
         torch.set_num_threads(args.threads)
     engine = engine_config_from_args(args)
     if args.tp < 1:
         raise SystemExit("--tp must be at least 1")
-    if args.tp == 1:
-        runner = ModelRunner(engine)
-        return correctness(runner, args) if args.correct else latency(runner, args)
-    return _run_tp(engine, args)
-
-
-def _run_tp(engine, args: argparse.Namespace) -> int:
-    """Rank 0 in this process, ranks 1..N-1 spawned; every rank replays the leader's steps."""
-    import dataclasses
-
-    from worker_svc.runner import ModelRunner
-    from worker_svc.step_broadcast import LeaderRunner, join_followers, spawn_followers
-    from worker_svc.tp_group import destroy_tp, free_port, init_tp, rank_device
-
-    addr = args.tp_init_addr or f"127.0.0.1:{free_port()}"
-    followers = spawn_followers(args.tp, addr, [engine], threads=args.threads)
-    tp = init_tp(0, args.tp, addr, engine.device)
-    try:
-        engine = dataclasses.replace(engine, device=str(rank_device(engine.device, 0)))
-        runner = LeaderRunner(ModelRunner(engine, tp), tp)
-        if args.profile_collectives:
+    with open_runner(engine, args.tp, args.tp_init_addr, args.threads) as runner:
+        if args.profile_collectives and args.tp > 1:
             runner.collective_profiler = CollectiveProfiler(runner)
-        try:
-            return correctness(runner, args) if args.correct else latency(runner, args)
-        finally:
-            runner.stop_followers()
-    finally:
-        destroy_tp(tp)
-        join_followers(followers)
+        return correctness(runner, args) if args.correct else latency(runner, args)
 
 
 class CollectiveProfiler:

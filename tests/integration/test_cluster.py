@@ -68,8 +68,9 @@ class Serve:
 def serve(model_factory, tmp_path) -> Iterator:
     started: list[Serve] = []
 
-    def start(*extra: str, preset: str = "tiny") -> Serve:
-        cmd = [sys.executable, "-m", "llmserve.cli", "serve", "--model", str(model_factory(preset)), "--port", "0",
+    def start(*extra: str, preset: str = "tiny", model: Path | None = None) -> Serve:
+        model = model or model_factory(preset)
+        cmd = [sys.executable, "-m", "llmserve.cli", "serve", "--model", str(model), "--port", "0",
                "--log-dir", str(tmp_path / f"logs{len(started)}"), "--probe-interval", "0.3", *ENGINE_FLAGS, *extra]
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
@@ -124,6 +125,31 @@ def test_serve_demo_clients_and_sigterm(serve) -> None:
     assert s.proc.wait(60) == 0, "".join(s.err)
     assert "llmserve serve: stopped" in "".join(s.lines)
     assert not any(_alive(p) for p in pids.values())
+
+
+def test_serve_real_model_chat_answers_and_stops_at_im_end(serve, real_model) -> None:
+    """The default model through the whole cluster: the chat demo, a client chat and `llmserve chat`
+    answer the question and end with finish reason stop at <|im_end|> (generation_config's EOS)."""
+    s = serve("--demo-chat", "What is the capital of France?", "--demo-max-new-tokens", "32", model=real_model)
+    s.wait_line("serving; Ctrl-C or SIGTERM stops the cluster")
+    out = "".join(s.lines)
+    demo = out.split("demo chat: 'What is the capital of France?' ->", 1)[1]
+    assert "Paris" in demo.split("llmserve serve: demo finished", 1)[0]
+    assert re.search(r"demo finished \(stop, \d+ tokens\)", out), out
+    router = s.router
+    with RouterClient(router, timeout=60) as client:
+        deltas = list(client.chat([("user", "What is the capital of France?")], max_new_tokens=32, temperature=0))
+        generated = client.generate_text("The capital of France is", max_new_tokens=3, temperature=0)
+    answer = "".join(d.text for d in deltas)
+    finish = deltas[-1].finish
+    assert "Paris" in answer and "<|im_end|>" not in answer
+    assert finish.reason == "stop" and finish.completion_tokens < 32
+    assert "Paris" in generated
+    chat = _cli("chat", "--router", router, "--message", "What is the capital of France?", "--temperature", "0", "-v")
+    assert chat.returncode == 0, chat.stderr
+    assert "Paris" in chat.stdout and "finish=stop" in chat.stderr, (chat.stdout, chat.stderr)
+    s.proc.send_signal(signal.SIGTERM)
+    assert s.proc.wait(60) == 0, "".join(s.err)
 
 
 def test_serve_exits_nonzero_when_a_child_dies(serve) -> None:

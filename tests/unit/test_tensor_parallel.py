@@ -9,6 +9,7 @@ The pytest process is rank 0; ranks 1.. are spawned once per TP size and replay 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -19,6 +20,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from llmserve.bench.driver import chunked_prefill_logits, greedy_with_split_prefill
+from llmserve.eval.perplexity import EngineScorer
 from tests.unit.oracle import encode_prompts
 from worker_svc.engine_config import EngineConfig
 from worker_svc.forward_batch import ForwardMode
@@ -84,7 +86,9 @@ def _engine(model_dir: Path, name: str = "") -> EngineConfig:
 
 def _run_checks(runner, prompts: list[list[int]]) -> dict:
     logits, tokens = greedy_with_split_prefill(runner, prompts, OUTPUT_LEN, cut_len=3)
-    return {"logits": logits, "tokens": tokens, "chunked": chunked_prefill_logits(runner, prompts, CHUNK)}
+    return {"logits": logits, "tokens": tokens, "chunked": chunked_prefill_logits(runner, prompts, CHUNK),
+            # eval-ppl's step: logits at every token (the all_logits flag crosses the step broadcast)
+            "every_position": EngineScorer(runner).logits(prompts[-1])}
 
 
 _TP1: dict[str, dict] = {}
@@ -126,6 +130,8 @@ def test_tp_matches_tp1(tp_run, models, name):
     assert (ours["logits"] - ref["logits"]).abs().max().item() < ATOL
     assert ours["tokens"] == ref["tokens"]
     assert (ours["chunked"] - ref["chunked"]).abs().max().item() < ATOL
+    assert ours["every_position"].shape == (len(encode_prompts(models[name])[-1]), ref["logits"].shape[-1])
+    assert (ours["every_position"] - ref["every_position"]).abs().max().item() < ATOL
     # Chunked and split prefill agree too (same final-token logits, different step shapes).
     assert (ours["chunked"] - ours["logits"]).abs().max().item() < ATOL
 
@@ -239,6 +245,7 @@ def _assert_same_step(a: StepInput, b: StepInput) -> None:
         x, y = getattr(a, field), getattr(b, field)
         assert y.dtype == torch.int64 and torch.equal(x.to(torch.int64), y), field
     assert a.seq_lens == b.seq_lens and a.prefix_lens == b.prefix_lens
+    assert a.all_logits == b.all_logits
 
 
 def test_step_pack_unpack_round_trips():
@@ -260,14 +267,15 @@ def test_step_pack_unpack_round_trips():
         seq_lens=[8, 4],
         prefix_lens=[7, 3],
     )
-    for step in (extend, decode):
+    scored = dataclasses.replace(extend, all_logits=True)
+    for step in (extend, decode, scored):
         packed = pack_step(step)
         assert packed.dtype == torch.int64 and packed.dim() == 1
         n, b = step.input_ids.numel(), len(step.seq_lens)
-        assert packed[:3].tolist() == [0 if step.mode is ForwardMode.EXTEND else 1, n, b]
-        assert packed.numel() == 3 + 3 * n + 3 * b
+        assert packed[:4].tolist() == [0 if step.mode is ForwardMode.EXTEND else 1, n, b, int(step.all_logits)]
+        assert packed.numel() == 4 + 3 * n + 3 * b
         _assert_same_step(step, unpack_step(packed))
-    assert unpack_step(torch.tensor([2, 0, 0])) is None
+    assert unpack_step(torch.tensor([2, 0, 0, 0])) is None
 
 
 def test_pack_rejects_inconsistent_steps():

@@ -132,6 +132,6 @@ class DeepseekV2ForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Returns float32 logits [batch, vocab] for each request's final token."""
+        """float32 logits [batch, vocab] at each request's final token ([tokens, vocab] with all_logits)."""
         hidden = self.model(batch)
-        return self.lm_head.logits(hidden[batch.last_token_indices()])
+        return self.lm_head.logits(hidden[batch.logit_indices()])

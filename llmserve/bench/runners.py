@@ -1,0 +1,41 @@
+"""Open a ModelRunner for an offline command: in this process, or as the leader of a tensor-parallel
+group whose followers are spawned here and replay its steps (bench-one-batch, eval-ppl)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from worker_svc.engine_config import EngineConfig
+
+
+@contextmanager
+def open_runner(engine: EngineConfig, tp: int = 1, tp_init_addr: str | None = None,
+                threads: int | None = None) -> Iterator[Any]:
+    """Yields a ModelRunner (tp == 1) or a LeaderRunner over rank 0 of ``tp`` ranks; stops and joins
+    the followers and destroys the group on exit."""
+    from worker_svc.runner import ModelRunner
+
+    if tp < 1:
+        raise ValueError(f"--tp must be at least 1, got {tp}")
+    if tp == 1:
+        yield ModelRunner(engine)
+        return
+    from worker_svc.step_broadcast import LeaderRunner, join_followers, spawn_followers
+    from worker_svc.tp_group import destroy_tp, free_port, init_tp, rank_device
+
+    addr = tp_init_addr or f"127.0.0.1:{free_port()}"
+    followers = spawn_followers(tp, addr, [engine], threads=threads)
+    group = init_tp(0, tp, addr, engine.device)
+    try:
+        engine = dataclasses.replace(engine, device=str(rank_device(engine.device, 0)))
+        runner = LeaderRunner(ModelRunner(engine, group), group)
+        try:
+            yield runner
+        finally:
+            runner.stop_followers()
+    finally:
+        destroy_tp(group)
+        join_followers(followers)
