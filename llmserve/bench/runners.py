@@ -29,6 +29,7 @@ def open_runner(engine: EngineConfig, tp: int = 1, tp_init_addr: str | None = No
     addr = tp_init_addr or f"127.0.0.1:{free_port()}"
     followers = spawn_followers(tp, addr, [engine], threads=threads)
     group = init_tp(0, tp, addr, engine.device)
+    leader_failed = False
     try:
         engine = dataclasses.replace(engine, device=str(rank_device(engine.device, 0)))
         runner = LeaderRunner(ModelRunner(engine, group), group)
@@ -36,6 +37,15 @@ def open_runner(engine: EngineConfig, tp: int = 1, tp_init_addr: str | None = No
             yield runner
         finally:
             runner.stop_followers()
+    except BaseException:
+        leader_failed = True
+        raise
     finally:
         destroy_tp(group)
-        join_followers(followers)
+        try:
+            join_followers(followers)
+        except Exception:
+            # A follower that failed too (the same bad config, or the leader leaving the group) must
+            # not replace the leader's error, which is the one that says what went wrong.
+            if not leader_failed:
+                raise

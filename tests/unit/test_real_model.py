@@ -5,6 +5,8 @@ perplexity over real text equal to HF's, and a perplexity only a working model r
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -86,3 +88,17 @@ def test_perplexity_matches_hf(real_model, fp32_runner, text_ids):
     # A model whose conversion went wrong (a permuted q/k, a misread scale) is near-uniform over
     # 49152 tokens; SmolLM2 on Alice in Wonderland measures ~19 (docs/benchmarks.md).
     assert ours.perplexity < 30
+
+
+def test_eval_ppl_reports_a_tp_config_error_in_one_line(real_model, tmp_path):
+    """9 heads do not split over 2 ranks: the leader's ValueError is the message, not the follower's
+    ProcessRaisedException that used to replace it (a torch traceback, exit 1)."""
+    text = tmp_path / "short.txt"
+    text.write_text(shipped_text()[:400], encoding="utf-8")
+    result = subprocess.run(
+        [sys.executable, "-m", "llmserve.cli", "eval-ppl", "--model", str(real_model), "--text", str(text),
+         "--window", "64", "--stride", "64", "--tp", "2", "--threads", "1"],
+        capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "llmserve eval-ppl: num_attention_heads=9 must be divisible by tp size 2" in result.stderr
+    assert "Traceback" not in result.stderr
