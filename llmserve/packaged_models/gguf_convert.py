@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
@@ -104,12 +105,17 @@ def _convert_into(gguf_path: Path, folder: Path, progress: Progress) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
     transformers.logging.set_verbosity_error()
-    src_dir, name = str(gguf_path.parent), gguf_path.name
-    progress("  reading the tokenizer")
-    tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=name)
-    progress("  dequantizing the weights to bfloat16")
-    model = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=name, dtype=torch.bfloat16,
-                                                 quantization_config=GgufConfig(dequantize=True))
+    # transformers also reads config and tokenizer files lying beside the GGUF (an HF folder holding
+    # its own GGUF, say) and mixes them in; a folder with only a link to the file keeps the GGUF the
+    # single source.
+    with tempfile.TemporaryDirectory(prefix=".gguf-src.", dir=folder.parent) as src_dir:
+        name = gguf_path.name
+        (Path(src_dir) / name).symlink_to(gguf_path.resolve())
+        progress("  reading the tokenizer")
+        tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=name)
+        progress("  dequantizing the weights to bfloat16")
+        model = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=name, dtype=torch.bfloat16,
+                                                     quantization_config=GgufConfig(dequantize=True))
     progress("  writing safetensors, config and tokenizer files")
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
@@ -120,12 +126,10 @@ def _convert_into(gguf_path: Path, folder: Path, progress: Progress) -> None:
 def _fix_generation_config(folder: Path) -> int | None:
     """generation_config.json's eos_token_id must be the tokenizer's EOS (the chat's end token), so a
     chat stops there; GGUF files carry it as tokenizer.ggml.eos_token_id, which transformers copies."""
-    tok_config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
-    eos_text = tok_config.get("eos_token")
-    eos_text = eos_text.get("content") if isinstance(eos_text, dict) else eos_text
-    vocab = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
-    ids = {t["content"]: t["id"] for t in vocab.get("added_tokens", [])}
-    eos = ids.get(eos_text) if isinstance(eos_text, str) else None
+    from tokenizer_svc.tokenizer import ModelTokenizer
+
+    tok = ModelTokenizer.from_dir(folder)
+    eos = tok.tokenizer.token_to_id(tok.eos_token) if tok.eos_token else None
     gen_path = folder / "generation_config.json"
     gen = json.loads(gen_path.read_text(encoding="utf-8")) if gen_path.is_file() else {}
     if eos is not None:

@@ -105,6 +105,12 @@ def test_convert_gguf_is_deterministic_and_dequantizes_like_gguf(real_model, tmp
     ours, fetched = load_file(str(out / "model.safetensors")), load_file(str(real_model / "model.safetensors"))
     assert ours.keys() == fetched.keys() and all(torch.equal(ours[k], fetched[k]) for k in ours)
     assert json.loads((out / "config.json").read_text()) == json.loads((real_model / "config.json").read_text())
+    # The model folder holds config and tokenizer files beside its GGUF; only the GGUF may count
+    # (transformers used to mix them in and lose the special tokens of tokenizer_config.json).
+    for name in ("tokenizer_config.json", "generation_config.json", "chat_template.jinja", "tokenizer.json"):
+        assert (out / name).read_text() == (real_model / name).read_text(), name
+    assert json.loads((out / "tokenizer_config.json").read_text())["eos_token"] == "<|im_end|>"
+    assert json.loads((out / "PROVENANCE.json").read_text())["eos_token_id"] == 2
     # Independently of transformers: gguf's own Q4_1 dequantization of the (unpermuted) embedding.
     import gguf
 
