@@ -5,8 +5,9 @@ The text is tokenized once (``n`` tokens). Windows of at most ``window`` tokens 
 no earlier window scored, so every token 1..n-1 is predicted exactly once, and with at least
 ``window - stride`` tokens of context once the first window is past (the first window's tokens see
 everything before them). Token 0 has no context and is never scored. stride == window gives
-disjoint windows (cheapest, least context); smaller strides cost ``window / stride`` times the
-forward work for more context per scored token. This is the scheme of HF transformers' "Perplexity
+windows that share one token (the context of each window's first scored token: cheapest, least
+context); smaller strides cost ``window / stride`` times the forward work for more context per
+scored token. This is the scheme of HF transformers' "Perplexity
 of fixed-length models" guide.
 
 Scorers are the seam: this engine's ModelRunner (logits at every position of one EXTEND step) and
@@ -68,14 +69,19 @@ class Window:
 def windows(num_tokens: int, window: int, stride: int) -> list[Window]:
     if window < 2 or not 1 <= stride <= window:
         raise ValueError(f"need window >= 2 and 1 <= stride <= window (got window {window}, stride {stride})")
+    if num_tokens < 2:
+        raise ValueError(f"the text has {num_tokens} token(s); perplexity needs at least 2")
     out: list[Window] = []
     scored_to = 1  # tokens below this are scored (token 0 never is)
-    begin = 0
+    start = 0
     while scored_to < num_tokens:
+        # The first scored token is predicted from the one before it, so that one must be in the
+        # window: with stride == window consecutive windows share one token.
+        begin = min(start, scored_to - 1)
         end = min(begin + window, num_tokens)
         out.append(Window(begin, end, scored_to))
         scored_to = end
-        begin += stride
+        start += stride
     return out
 
 
