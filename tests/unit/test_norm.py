@@ -24,10 +24,12 @@ def _norms(hidden: int, dtype: torch.dtype) -> tuple[RMSNorm, RMSNorm]:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows,hidden", [(1, 1024), (5, 100), (40, 64)])
-def test_fused_norms_equal_the_torch_path(dtype, rows, hidden):
+@pytest.mark.parametrize("residual_dtype", ["activation", "float32"])
+def test_fused_norms_equal_the_torch_path(dtype, rows, hidden, residual_dtype):
     gen = torch.Generator().manual_seed(rows)
     x = (torch.randn(rows, hidden, generator=gen) * 3).to(dtype)
-    residual = torch.randn(rows, hidden, generator=gen).to(dtype)
+    residual = torch.randn(rows, hidden, generator=gen)
+    residual = residual.to(dtype) if residual_dtype == "activation" else residual + 1e-3  # not bf16-representable
     torch_norm, fused = _norms(hidden, dtype)
     expected, expected_residual = torch_norm.forward_with_residual(x, residual)
     if dtype == torch.float32:  # the module keeps fp32 on the torch path; hold the ops themselves to it
@@ -35,7 +37,8 @@ def test_fused_norms_equal_the_torch_path(dtype, rows, hidden):
         fused = lambda t: CPU_OPS.rms_norm(t, torch_norm.weight, torch_norm.eps)  # noqa: E731
     else:
         out, summed = fused.forward_with_residual(x, residual)
-    assert torch.equal(summed, expected_residual)  # the same one rounding of residual + x
+    assert summed.dtype == expected_residual.dtype == torch.float32  # the residual stream stays fp32
+    assert torch.equal(summed, expected_residual)  # residual + x, never rounded
     for got, want in ((out, expected), (fused(x), torch_norm(x))):
         assert got.dtype == dtype and got.shape == want.shape
         # Sums of squares in another order: the fp32 row can differ in its last bit, which a cast to
@@ -55,3 +58,14 @@ def test_non_contiguous_input_takes_the_torch_path():
 def test_bad_weight_is_rejected():
     with pytest.raises(RuntimeError, match="weight"):
         CPU_OPS.rms_norm(torch.randn(2, 64), torch.ones(32), 1e-6)
+
+
+def test_residual_stream_is_not_rounded_to_the_activation_dtype():
+    """Regression (bf16 logits cosine 0.9974 vs fp32 on the real model): summing in bf16 loses what
+    is added to a large residual; the float32 stream keeps it, on both paths."""
+    torch_norm, fused = _norms(64, torch.bfloat16)
+    residual = torch.full((2, 64), 256.0)
+    x = torch.full((2, 64), 0.5, dtype=torch.bfloat16)  # 256.5 rounds to 256 in bf16
+    for norm in (torch_norm, fused):
+        _, summed = norm.forward_with_residual(x, residual)
+        assert summed.dtype == torch.float32 and torch.equal(summed, torch.full((2, 64), 256.5))

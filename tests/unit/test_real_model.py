@@ -26,7 +26,7 @@ EVAL_TOKENS = 1200  # of the shipped text: 3 windows of 512 at stride 384, enoug
 
 
 def _engine(model, dtype: str) -> EngineConfig:
-    return EngineConfig(model_path=str(model), dtype=dtype, max_total_tokens=4096, max_running_requests=16)
+    return EngineConfig(model_path=str(model), dtype=dtype, max_total_tokens=4096, max_running_requests=24)
 
 
 @pytest.fixture(scope="module")
@@ -56,17 +56,16 @@ def test_fp32_matches_hf(real_model, fp32_runner, prompts):
     assert tokens == ref_tokens
 
 
-def test_bf16_cosine(real_model, text_ids):
-    """bf16 against HF fp32 on 16 pieces of real text (5..110 tokens). One short prompt is a noisy
-    measure on this model (its residual stream reaches ~5000, so bf16 rounding there is large): HF's
-    own bf16 run measures 0.9987 on the worst of these 16 and "The capital of France is" measures
-    0.9974 on ours (docs/benchmarks.md), so the bound is on the mean, with a floor per prompt."""
-    prompts = [text_ids[i * 70 : i * 70 + 5 + i * 7] for i in range(16)]
-    logits, _ = greedy_with_split_prefill(ModelRunner(_engine(real_model, "bfloat16")), prompts, 1, cut_len=4)
-    ref_logits, _ = hf_reference(real_model, prompts, 1)
+def test_bf16_cosine(real_model, text_ids, prompts):
+    """bf16 against HF fp32 on the three sglang prompts and 16 pieces of real text (5..110 tokens).
+    Regression: with the residual stream summed in bf16 (as HF does) "The capital of France is"
+    measured 0.9974; the float32 stream (layers/norm.py) gives 0.9999 (docs/benchmarks.md)."""
+    pieces = [text_ids[i * 70 : i * 70 + 5 + i * 7] for i in range(16)]
+    logits, _ = greedy_with_split_prefill(ModelRunner(_engine(real_model, "bfloat16")), prompts + pieces, 1, cut_len=4)
+    ref_logits, _ = hf_reference(real_model, prompts + pieces, 1)
     cosine = torch.nn.functional.cosine_similarity(logits, ref_logits, dim=-1)
-    assert cosine.mean().item() >= 0.999
-    assert cosine.min().item() >= 0.998
+    assert cosine.min().item() >= 0.999, cosine.tolist()
+    assert cosine.mean().item() >= 0.9995
 
 
 def test_chat_answer_is_the_real_one(real_model, fp32_runner, prompts):

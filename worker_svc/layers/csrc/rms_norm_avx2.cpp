@@ -1,11 +1,11 @@
 // RMSNorm and residual-add + RMSNorm in one pass per token, for AVX2 CPUs.
 //
 //   rms_norm(x [T, H], weight [H], eps) -> out
-//   fused_add_rms_norm(x [T, H], residual [T, H], weight [H], eps) -> (out, residual + x)
+//   fused_add_rms_norm(x [T, H], residual [T, H], weight [H], eps) -> (out, residual + x in float32)
 //
-// Rounded exactly where the torch path (layers/norm.py, HF's LlamaRMSNorm) rounds: the residual sum
-// in the activation dtype, the normalized row in fp32 then cast to the activation dtype, then the
-// product with the weight cast again. The torch path is 6-8 small ops per call (~40 us on this host
+// Rounded exactly where the torch path (layers/norm.py) rounds: the residual stream stays float32
+// (residual may come in as the activation dtype or float32; the sum is never rounded), the
+// normalized row in fp32 is cast to the activation dtype, then the product with the weight cast again. The torch path is 6-8 small ops per call (~40 us on this host
 // for one token); a decode step runs 2 per layer + 1.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -46,18 +46,17 @@ void normalize_row(const float* row, const T* weight, int64_t H, float eps, T* o
   }
 }
 
-template <typename T>
-void norm_rows(const T* x, const T* residual, T* residual_out, const T* weight, int64_t rows, int64_t H, float eps,
+template <typename T, typename R>
+void norm_rows(const T* x, const R* residual, float* residual_out, const T* weight, int64_t rows, int64_t H, float eps,
                T* out) {
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> row(H);
     for (int64_t r = begin; r < end; ++r) {
       for (int64_t h = 0; h < H; ++h) {
         float v = static_cast<float>(x[r * H + h]);
-        if (residual) {  // residual + x in the activation dtype, as torch adds them
-          const T sum = static_cast<T>(static_cast<float>(residual[r * H + h]) + v);
-          residual_out[r * H + h] = sum;
-          v = static_cast<float>(sum);
+        if (residual) {  // residual + x, kept in float32
+          v += static_cast<float>(residual[r * H + h]);
+          residual_out[r * H + h] = v;
         }
         row[h] = v;
       }
@@ -79,8 +78,8 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   const int64_t H = x.size(-1), rows = x.numel() / std::max<int64_t>(H, 1);
   llmserve::dispatch_float(x.scalar_type(), "rms_norm", [&](auto zero) {
     using T = decltype(zero);
-    norm_rows<T>(x.data_ptr<T>(), nullptr, nullptr, weight.data_ptr<T>(), rows, H, static_cast<float>(eps),
-                 out.data_ptr<T>());
+    norm_rows<T, T>(x.data_ptr<T>(), nullptr, nullptr, weight.data_ptr<T>(), rows, H, static_cast<float>(eps),
+                    out.data_ptr<T>());
   });
   return out;
 }
@@ -88,15 +87,22 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
                                                       const at::Tensor& weight, double eps) {
   check(x, weight);
-  TORCH_CHECK(residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type() && residual.is_contiguous(),
-              "fused_add_rms_norm: residual must match x");
+  const bool float_residual = residual.scalar_type() == at::kFloat;
+  TORCH_CHECK(residual.sizes() == x.sizes() && residual.is_contiguous() &&
+                  (float_residual || residual.scalar_type() == x.scalar_type()),
+              "fused_add_rms_norm: residual must match x's shape, in x's dtype or float32");
   auto out = at::empty_like(x);
-  auto summed = at::empty_like(x);
+  auto summed = at::empty_like(x, x.options().dtype(at::kFloat));
   const int64_t H = x.size(-1), rows = x.numel() / std::max<int64_t>(H, 1);
   llmserve::dispatch_float(x.scalar_type(), "fused_add_rms_norm", [&](auto zero) {
     using T = decltype(zero);
-    norm_rows<T>(x.data_ptr<T>(), residual.data_ptr<T>(), summed.data_ptr<T>(), weight.data_ptr<T>(), rows, H,
-                 static_cast<float>(eps), out.data_ptr<T>());
+    if (float_residual) {
+      norm_rows<T, float>(x.data_ptr<T>(), residual.data_ptr<float>(), summed.data_ptr<float>(),
+                          weight.data_ptr<T>(), rows, H, static_cast<float>(eps), out.data_ptr<T>());
+    } else {
+      norm_rows<T, T>(x.data_ptr<T>(), residual.data_ptr<T>(), summed.data_ptr<float>(), weight.data_ptr<T>(),
+                      rows, H, static_cast<float>(eps), out.data_ptr<T>());
+    }
   });
   return {out, summed};
 }
