@@ -7,6 +7,9 @@ processors, so library lines are JSON too.
 `request_context(request_id)` binds `request_id` in a contextvar for the current task or thread:
 every log line emitted inside it, by any module, carries the id. grpc.aio runs each RPC in its own
 task, so bindings never leak between concurrent requests.
+
+Prompt text is not logged (only counts and ids; the router's --log-prompts turns it on), and
+exception tracebacks are rendered without frame locals, which would carry request contents.
 """
 
 from __future__ import annotations
@@ -34,11 +37,14 @@ def configure_logging(json: bool = False, level: str = "info") -> None:
         structlog.processors.TimeStamper(fmt="iso", utc=True),
     ]
     renderer: Any
+    # Tracebacks never carry frame locals: they hold request contents (prompt text, token ids).
     if json:
-        shared += [structlog.processors.dict_tracebacks]
+        shared += [structlog.processors.ExceptionRenderer(
+            structlog.tracebacks.ExceptionDictTransformer(show_locals=False))]
         renderer = structlog.processors.JSONRenderer()
     else:
-        renderer = structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
+        renderer = structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty(),
+                                                 exception_formatter=structlog.dev.plain_traceback)
     structlog.configure(
         processors=[structlog.stdlib.filter_by_level, *shared,
                     structlog.stdlib.ProcessorFormatter.wrap_for_formatter],

@@ -6,6 +6,10 @@
 Serves until SIGINT/SIGTERM, then stops accepting calls, lets in-flight ones finish for
 --shutdown-grace seconds (the rest are aborted on the workers) and exits 0. grpc.health.v1 says
 SERVING while the tokenizer service and at least one worker group are healthy.
+
+Security (docs/security.md): `--tls-cert/--tls-key [--tls-client-ca]` for the public port,
+`--auth-token-file` for client tokens; `--internal-tls-ca [--internal-tls-cert/--internal-tls-key]`
+and `--internal-token-file` towards the tokenizer service and workers. Plaintext without them.
 """
 
 from __future__ import annotations
@@ -34,6 +38,44 @@ def _address(text: str) -> str:
     return items[0]
 
 
+def add_limit_args(p: argparse.ArgumentParser) -> None:
+    """Admission control, per-request caps and the stream inactivity timeout (docs/reliability.md);
+    `serve` passes them on to its router."""
+    g = p.add_argument_group("limits")
+    g.add_argument("--max-concurrent-requests", type=int, default=256, metavar="N",
+                   help="Router calls in progress at once; more get RESOURCE_EXHAUSTED at once (default 256; 0: none)")
+    g.add_argument("--max-requests-per-client", type=int, default=0, metavar="N",
+                   help="calls in progress per authenticated client (default 0: no per-client limit)")
+    g.add_argument("--max-n", type=int, default=64, metavar="N", help="samples per request (default 64)")
+    g.add_argument("--max-stop-strings", type=int, default=16, metavar="N", help="stop strings per request (default 16)")
+    g.add_argument("--max-stop-chars", type=int, default=256, metavar="N",
+                   help="characters per stop string (default 256)")
+    g.add_argument("--stream-timeout", type=float, default=60.0, metavar="S",
+                   help="a worker stream silent this long is a hung worker: the request is aborted there and "
+                        "re-routed if nothing was sent yet (default 60)")
+    g.add_argument("--log-prompts", action="store_true", help="log prompt text (off by default)")
+
+
+def limit_argv(args: argparse.Namespace) -> list[str]:
+    """The flags of add_limit_args as a command line (serve -> router)."""
+    argv = [f"--max-concurrent-requests={args.max_concurrent_requests}",
+            f"--max-requests-per-client={args.max_requests_per_client}", f"--max-n={args.max_n}",
+            f"--max-stop-strings={args.max_stop_strings}", f"--max-stop-chars={args.max_stop_chars}",
+            f"--stream-timeout={args.stream_timeout}"]
+    return argv + (["--log-prompts"] if args.log_prompts else [])
+
+
+def add_security_args(p: argparse.ArgumentParser) -> None:
+    """TLS of the public port and client tokens; TLS and the internal token towards the tokenizer
+    service and the workers (llmserve/security.py)."""
+    from llmserve.security_args import add_internal_channel_args, add_server_args
+
+    add_server_args(p.add_argument_group("security: the public port"), "--auth-token-file",
+                    "require a client token from this file on every call but grpc.health.v1 (lines "
+                    "`TOKEN [IDENTITY [admin]]`; ListWorkers needs an admin token)")
+    add_internal_channel_args(p.add_argument_group("security: the tokenizer service and workers"))
+
+
 def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
     p = subparsers.add_parser(
         "router", help="serve llmserve.v1.Router (the public API) in front of a tokenizer service and workers",
@@ -59,18 +101,36 @@ def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") 
     p.add_argument("--probe-timeout", type=float, default=5.0, metavar="S", help="timeout of one probe (default 5)")
     p.add_argument("--shutdown-grace", type=float, default=5.0, metavar="S",
                    help="seconds in-flight calls may run on after SIGTERM (default 5)")
+    add_limit_args(p)
+    add_security_args(p)
     p.add_argument("--log-json", action="store_true", help="log JSON lines (for services) instead of text")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     p.set_defaults(func=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
+    import sys
+
     from llmserve.logging import configure_logging
+    from llmserve.security import SecurityConfigError
+    from llmserve.security_args import internal_security_from_args, server_security_from_args
+    from router.limits import RequestLimits
     from router.server import RouterOptions, serve
 
     configure_logging(json=args.log_json, level=args.log_level)
+    try:
+        security = server_security_from_args(args, "--auth-token-file")
+        internal = internal_security_from_args(args)
+    except SecurityConfigError as exc:
+        print(f"llmserve router: {exc}", file=sys.stderr)
+        return 2
     options = RouterOptions(
         tokenizer=args.tokenizer, workers=args.workers, policy=args.policy, probe_interval=args.probe_interval,
         health_every=args.health_every, probe_timeout=args.probe_timeout, prefix_tokens=args.prefix_tokens,
-        served_model_name=args.served_model_name)
-    return serve(options, args.host, args.port, port_file=args.port_file, grace=args.shutdown_grace)
+        served_model_name=args.served_model_name,
+        limits=RequestLimits(max_n=args.max_n, max_stop_strings=args.max_stop_strings,
+                             max_stop_chars=args.max_stop_chars),
+        max_concurrent_requests=args.max_concurrent_requests, max_requests_per_client=args.max_requests_per_client,
+        stream_timeout=args.stream_timeout, log_prompts=args.log_prompts, internal_security=internal)
+    return serve(options, args.host, args.port, port_file=args.port_file, grace=args.shutdown_grace,
+                 security=security)

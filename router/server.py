@@ -11,7 +11,12 @@ One Generate / Chat call, end to end:
       a stop string matched: finish the index, Abort it on the worker
     the worker fails before the first response was sent: mark the group, retry on another one
     the worker fails later: finish the open indexes with reason "abort" and a message
+    the worker sends nothing for --stream-timeout s: as a failure (it is hung), and Abort it
     the client cancels / its deadline passes: cancel the worker call and send Abort
+
+Admission (router/admission.py) and the request caps (router/limits.py) come first, before any
+allocation or round trip. The client's request_id is only a label (logs, responses): each attempt
+on a worker runs under an engine id the router mints, so no client can reach another's request.
 
 Details in router/README.md.
 """
@@ -35,10 +40,15 @@ from smg_grpc_proto import sglang_scheduler_pb2 as spb
 
 from llmserve.grpc_listen import grpc_address, listen
 from llmserve.logging import get_logger, request_context
+from llmserve.message_limits import message_size_options
+from llmserve.security import HEALTH_METHODS, ChannelSecurity, ServerSecurity
 from llmserve.v1 import router_pb2 as pb
 from llmserve.v1 import tokenizer_pb2 as tpb
 from llmserve.v1 import tokenizer_pb2_grpc as tpb_grpc
+from router.admission import ANONYMOUS, Admission
 from router.detok import DetokenizeError, StreamDetokenizer
+from router.limits import (RequestLimits, check_messages, check_sampling_limits, validate_model_name,
+                           validate_request_id)
 from router.stops import StopStringMatcher
 from router.validation import (ModelFacts, RouterError, check_fits, invalid, validate_model, validate_sampling,
                                validate_token_ids)
@@ -59,7 +69,7 @@ _CLIENT_ERRORS = frozenset({
 _SEED_MASK = (1 << 53) - 1  # the worker takes the seed through a protobuf Struct (a double)
 
 
-@dataclass
+@dataclass(frozen=True)
 class RouterOptions:
     tokenizer: str
     workers: Sequence[str]
@@ -70,6 +80,14 @@ class RouterOptions:
     prefix_tokens: int = 32
     served_model_name: str | None = None
     tokenizer_timeout: float = 30.0
+    limits: RequestLimits = RequestLimits()
+    max_concurrent_requests: int = 256  # Router RPCs in progress at once; 0: no limit
+    max_requests_per_client: int = 0  # per authenticated identity; 0: no limit
+    # A worker stream that yields nothing for this long is treated as a hung worker.
+    stream_timeout: float = 60.0
+    # TLS and the internal token on the channels to the tokenizer service and the workers.
+    internal_security: ChannelSecurity = ChannelSecurity()
+    log_prompts: bool = False  # prompt text in the logs (off: only counts and ids are logged)
 
 
 # ---- one request ---------------------------------------------------------------------------------
@@ -79,7 +97,7 @@ class RouterOptions:
 class _Plan:
     """A validated, tokenized request, ready to send to a worker group."""
 
-    request_id: str
+    request_id: str  # the client's label; never sent to a worker as an engine id
     prompt_ids: list[int]
     worker_request: spb.GenerateRequest
     n: int
@@ -100,6 +118,10 @@ class _Plan:
 
 class _RetryElsewhere(Exception):
     """The group failed before anything was sent to the client."""
+
+
+class _Interrupted(Exception):
+    """The worker stream went quiet past --stream-timeout, or the router is shutting down."""
 
 
 @dataclass
@@ -131,6 +153,14 @@ class _Run:
         self.router = router
         self.group = group
         self.plan = plan
+        # Unique per attempt: the worker files the call (and Abort finds it) under this id alone.
+        self.engine_id = f"rt-{uuid.uuid4().hex}"
+        self.worker_request = spb.GenerateRequest()
+        self.worker_request.CopyFrom(plan.worker_request)
+        self.worker_request.request_id = self.engine_id
+        self._idle: asyncio.Timeout | None = None  # see _arm
+        self._armed = False
+        self.interrupt_reason: str | None = None
         self.seqs = [_Seq(i, StopStringMatcher(plan.stops, plan.include_stop)) for i in range(plan.n)]
         self.detok = StreamDetokenizer(router.tok_stub, plan.request_id, plan.skip_special_tokens,
                                        timeout=plan.remaining())
@@ -149,9 +179,28 @@ class _Run:
         return resp
 
     def _abort_sample(self, s: _Seq, reason: str) -> None:
-        plan = self.plan
-        engine_id = plan.request_id if plan.n == 1 else f"{plan.request_id}-n{s.index}"
+        # The worker files sample i of an n > 1 call as "<id>-n<i>" (and Abort takes either).
+        engine_id = self.engine_id if self.plan.n == 1 else f"{self.engine_id}-n{s.index}"
         self.router.pool.abort(self.group, engine_id, reason)
+
+    def interrupt(self, reason: str) -> None:
+        """End the attempt now (router shutdown): the open sequences finish with reason "abort"."""
+        self.interrupt_reason = reason
+        if self._armed and not self._idle.expired():
+            self._arm()
+
+    # The idle timeout runs only while the attempt waits on the worker: time spent on the
+    # tokenizer or on the client's side of the stream is not the worker's silence.
+    def _arm(self) -> None:
+        loop = asyncio.get_running_loop()
+        when = loop.time() if self.interrupt_reason else loop.time() + self.router.options.stream_timeout
+        self._idle.reschedule(when)
+        self._armed = True
+
+    def _disarm(self) -> None:
+        self._armed = False
+        if not self._idle.expired():  # expired: the TimeoutError is on its way
+            self._idle.reschedule(None)
 
     async def _feed(self, s: _Seq, ids: list[int], final: bool, drop_last: int | None = None) -> str:
         """Detokenize the sequence's next ids, keeping back a trailing stop token until the worker
@@ -230,14 +279,84 @@ class _Run:
     async def stream(self) -> AsyncIterator[pb.GenerateResponse]:
         g, plan = self.group, self.plan
         router = self.router
-        metadata = (("x-request-id", plan.request_id),)
+        metadata = (("x-request-id", self.engine_id), ("x-client-request-id", plan.request_id))
         g.in_flight += 1
-        call = g.stub.Generate(plan.worker_request, metadata=metadata, timeout=plan.remaining())
+        router.runs.add(self)
+        call = g.stub.Generate(self.worker_request, metadata=metadata, timeout=plan.remaining())
         sent = False  # anything yielded to the client yet
         clean = False
+        abort_on_worker = False
         try:
             try:
-                async for msg in call:
+                async for resp in self._relay(call):
+                    sent = True
+                    yield resp
+            except grpc.aio.AioRpcError as exc:
+                code = exc.code()
+                if code in _CLIENT_ERRORS:
+                    raise RouterError(code, exc.details() or code.name) from None
+                if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    raise RouterError(code, "deadline exceeded while generating") from None
+                reason = f"worker group {g.index} failed: {code.name}: {exc.details()}"
+                if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+                    router.pool.report_failure(g, reason)
+                if not sent:
+                    raise _RetryElsewhere(reason) from None
+                log.error("worker group failed mid-stream", group=g.index, error=reason)
+                for resp in self._abort_all(reason):
+                    yield resp
+            except _WorkerStreamEnded as exc:
+                reason = f"worker group {g.index}: {exc}"
+                if not sent:
+                    raise _RetryElsewhere(reason) from None
+                for resp in self._abort_all(reason):
+                    yield resp
+            except DetokenizeError as exc:
+                if not sent:
+                    raise RouterError(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
+                log.error("detokenization failed mid-stream", error=str(exc))
+                for resp in self._abort_all(str(exc)):
+                    yield resp
+            except _Interrupted as exc:
+                reason = str(exc)
+                abort_on_worker = True
+                if self.interrupt_reason is None:  # the worker went silent: treat it as hung
+                    router.pool.report_failure(g, reason)
+                    if not sent:
+                        raise _RetryElsewhere(reason) from None
+                log.warning("generation interrupted", group=g.index, reason=reason)
+                for resp in self._abort_all(reason):
+                    yield resp
+            clean = True
+        finally:
+            g.in_flight -= 1
+            router.runs.discard(self)
+            if not call.done():
+                call.cancel()  # the worker aborts the call's unfinished engine requests
+                abort_on_worker |= not clean
+            if abort_on_worker:
+                # Explicit too: the worker may not have noticed the cancellation (or be hung).
+                router.pool.abort(g, self.engine_id, "cancelled")
+            if clean:
+                await self.detok.close()
+            else:
+                self.detok.cancel()
+
+    async def _relay(self, call) -> AsyncIterator[pb.GenerateResponse]:
+        """The worker's messages turned into client responses, until every sequence finished.
+        Raises _Interrupted when a read waits past --stream-timeout or the run is interrupted."""
+        plan = self.plan
+        messages = call.__aiter__()
+        try:
+            async with asyncio.timeout(None) as self._idle:
+                while True:
+                    self._arm()
+                    try:
+                        msg = await messages.__anext__()
+                    except StopAsyncIteration:
+                        break
+                    finally:
+                        self._disarm()
                     kind = msg.WhichOneof("response")
                     if kind == "chunk":
                         index = msg.chunk.index
@@ -255,51 +374,17 @@ class _Run:
                         continue
                     if self.first_response_at is None:
                         self.first_response_at = time.monotonic()
-                    sent = True
                     yield resp
                     if all(s.finished for s in self.seqs):
-                        break
-                else:
-                    if not all(s.finished for s in self.seqs):
-                        raise _WorkerStreamEnded("the worker ended the stream before every sequence finished")
-            except grpc.aio.AioRpcError as exc:
-                code = exc.code()
-                if code in _CLIENT_ERRORS:
-                    raise RouterError(code, exc.details() or code.name) from None
-                if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-                    raise RouterError(code, "deadline exceeded while generating") from None
-                reason = f"worker group {g.index} ({g.address}) failed: {code.name}: {exc.details()}"
-                if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
-                    router.pool.report_failure(g, reason)
-                if not sent:
-                    raise _RetryElsewhere(reason) from None
-                log.error("worker group failed mid-stream", group=g.index, error=reason)
-                for resp in self._abort_all(reason):
-                    yield resp
-            except _WorkerStreamEnded as exc:
-                reason = f"worker group {g.index} ({g.address}): {exc}"
-                if not sent:
-                    raise _RetryElsewhere(reason) from None
-                for resp in self._abort_all(reason):
-                    yield resp
-            except DetokenizeError as exc:
-                if not sent:
-                    raise RouterError(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
-                log.error("detokenization failed mid-stream", error=str(exc))
-                for resp in self._abort_all(str(exc)):
-                    yield resp
-            clean = True
+                        return
+        except TimeoutError:
+            timeout = self.router.options.stream_timeout
+            raise _Interrupted(self.interrupt_reason or f"worker group {self.group.index} sent nothing for "
+                                                        f"{timeout:g} s (--stream-timeout)") from None
         finally:
-            g.in_flight -= 1
-            if not call.done():
-                call.cancel()  # the worker aborts the call's unfinished engine requests
-                if not clean:
-                    # Explicit too: the worker may not have noticed the cancellation yet.
-                    self.router.pool.abort(g, plan.request_id, "cancelled")
-            if clean:
-                await self.detok.close()
-            else:
-                self.detok.cancel()
+            self._idle = None
+        if not all(s.finished for s in self.seqs):
+            raise _WorkerStreamEnded("the worker ended the stream before every sequence finished")
 
 
 class _WorkerStreamEnded(Exception):
@@ -322,7 +407,7 @@ class RouterServicer:
     def __init__(self, options: RouterOptions, health_servicer: health.aio.HealthServicer | None = None):
         self.options = options
         self.health = health_servicer
-        self.tok_channel = grpc.aio.insecure_channel(options.tokenizer, options=CHANNEL_OPTIONS)
+        self.tok_channel = options.internal_security.aio_channel(options.tokenizer, CHANNEL_OPTIONS)
         self.tok_stub = tpb_grpc.TokenizerStub(self.tok_channel)
         self.tok_health = health_pb2_grpc.HealthStub(self.tok_channel)
         self.tok_info: tpb.GetInfoResponse | None = None
@@ -331,9 +416,16 @@ class RouterServicer:
         self.pool = WorkerPool(options.workers, PoolOptions(
             policy=options.policy, probe_interval=options.probe_interval, health_every=options.health_every,
             probe_timeout=options.probe_timeout, prefix_tokens=options.prefix_tokens),
-            on_change=self._update_health)
+            on_change=self._update_health, security=options.internal_security)
         self._task: asyncio.Task | None = None
         self._serving: bool | None = None
+        self.admission = Admission(options.max_concurrent_requests, options.max_requests_per_client)
+        self.runs: set[_Run] = set()  # attempts streaming from a worker now
+        self.stopping = False
+
+    def interrupt_all(self, reason: str) -> None:
+        for run in list(self.runs):
+            run.interrupt(reason)
 
     # ---- readiness -------------------------------------------------------------------------------
 
@@ -434,12 +526,20 @@ class RouterServicer:
             return RouterError(code, details)
         if code == grpc.StatusCode.DEADLINE_EXCEEDED:
             return RouterError(code, "deadline exceeded while tokenizing")
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # e.g. over the message size: not retryable
+            prompt_field = "messages" if field_prefix == "" else "text"
+            return RouterError(code, f"{prompt_field}: too large for the tokenizer service ({details})", prompt_field)
         return RouterError(grpc.StatusCode.UNAVAILABLE, f"tokenizer service: {code.name}: {details}")
 
     # ---- request planning ------------------------------------------------------------------------
 
     def _request_id(self, body_id: str, context) -> str:
-        return body_id or _metadata_value(context, "x-request-id") or uuid.uuid4().hex
+        """The client's label for the call (validated: it goes into metadata and log lines)."""
+        limits = self.options.limits
+        validate_request_id(body_id, limits)
+        header_id = _metadata_value(context, "x-request-id")
+        validate_request_id(header_id, limits, "x-request-id")
+        return body_id or header_id or uuid.uuid4().hex
 
     def _plan(self, request_id: str, prompt_ids: list[int], prompt_text: str, sp: pb.SamplingParams,
               facts: ModelFacts, context) -> _Plan:
@@ -464,9 +564,9 @@ class RouterServicer:
             wsp.custom_params.CopyFrom(struct_pb2.Struct())
             wsp.custom_params.update({"seed": sp.seed & _SEED_MASK})
         want_logprobs = sp.logprobs or sp.top_logprobs > 0
+        # The prompt text stays here: the worker needs only the ids (and would log it in tracebacks).
         worker_request = spb.GenerateRequest(
-            request_id=request_id,
-            tokenized=spb.TokenizedInput(original_text=prompt_text, input_ids=prompt_ids),
+            tokenized=spb.TokenizedInput(input_ids=prompt_ids),
             sampling_params=wsp,
             return_logprob=want_logprobs,
             top_logprobs_num=sp.top_logprobs,
@@ -483,13 +583,19 @@ class RouterServicer:
             top_logprobs=sp.top_logprobs, context=context,
         )
 
+    def _check_limits(self, model: str, sp: pb.SamplingParams) -> None:
+        limits = self.options.limits
+        validate_model_name(model, limits)
+        check_sampling_limits(sp.n, sp.stop, sp.stop_token_ids, limits)
+
     async def _plan_generate(self, request: pb.GenerateRequest, request_id: str, context) -> _Plan:
+        sp = request.sampling_params
+        self._check_limits(request.model, sp)
         facts = self._require_facts()
         validate_model(request.model, facts)
         which = request.WhichOneof("prompt")
         if which is None:
             raise invalid("prompt", "set `text` or `token_ids`")
-        sp = request.sampling_params
         validate_sampling(sp, facts)
         if which == "text":
             if not request.text:
@@ -508,9 +614,14 @@ class RouterServicer:
             validate_token_ids(ids, facts, "token_ids.ids")
             field_name = "token_ids"
         check_fits(len(ids), sp, facts, field_name)
+        if self.options.log_prompts:
+            log.info("prompt", text=text, token_ids=ids if not text else None)
         return self._plan(request_id, ids, text, sp, facts, context)
 
     async def _plan_chat(self, request: pb.ChatRequest, request_id: str, context) -> _Plan:
+        sp = request.sampling_params
+        self._check_limits(request.model, sp)
+        check_messages(len(request.messages), self.options.limits)
         facts = self._require_facts()
         validate_model(request.model, facts)
         if not request.messages:
@@ -518,7 +629,6 @@ class RouterServicer:
         for i, m in enumerate(request.messages):
             if not m.role:
                 raise invalid(f"messages[{i}].role", "must not be empty")
-        sp = request.sampling_params
         validate_sampling(sp, facts)
         if self.tok_info is not None and not self.tok_info.has_chat_template:
             raise RouterError(grpc.StatusCode.FAILED_PRECONDITION,
@@ -530,6 +640,8 @@ class RouterServicer:
         if not ids:
             raise invalid("messages", "the conversation renders to no tokens")
         check_fits(len(ids), sp, facts, "messages")
+        if self.options.log_prompts:
+            log.info("prompt", text=enc.prompt_text)
         return self._plan(request_id, ids, enc.prompt_text, sp, facts, context)
 
     # ---- streaming -------------------------------------------------------------------------------
@@ -565,16 +677,24 @@ class RouterServicer:
                      ttft_s=round(first - plan.received, 4) if first else None)
             return
 
+    def _identity(self, context) -> str:
+        return ANONYMOUS  # replaced by the authenticated identity when auth is on
+
     async def _serve_stream(self, planner, request, context, rpc: str) -> AsyncIterator[pb.GenerateResponse]:
         if isinstance(request, InvalidRequest):
             log.info("rejected", rpc=rpc, code="INVALID_ARGUMENT", error=request.message)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
-        request_id = self._request_id(request.request_id, context)
+        try:
+            request_id = self._request_id(request.request_id, context)
+        except RouterError as exc:
+            log.info("rejected", rpc=rpc, code=exc.code.name, error=exc.message)
+            await context.abort(exc.code, exc.message)
         with request_context(request_id, rpc=rpc):
             try:
-                plan = await planner(request, request_id, context)
-                async for resp in self._stream(plan):
-                    yield resp
+                with self.admission.admit(self._identity(context)):
+                    plan = await planner(request, request_id, context)
+                    async for resp in self._stream(plan):
+                        yield resp
             except RouterError as exc:
                 log.info("rejected", code=exc.code.name, error=exc.message)
                 await context.abort(exc.code, exc.message)
@@ -596,10 +716,15 @@ class RouterServicer:
     async def _unary(self, request, context, rpc: str, body):
         if isinstance(request, InvalidRequest):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
-        request_id = self._request_id("", context)
+        try:
+            request_id = self._request_id("", context)
+        except RouterError as exc:
+            await context.abort(exc.code, exc.message)
         with request_context(request_id, rpc=rpc):
             try:
-                return await body(request, request_id)
+                validate_model_name(getattr(request, "model", ""), self.options.limits)
+                with self.admission.admit(self._identity(context)):
+                    return await body(request, request_id)
             except RouterError as exc:
                 log.info("rejected", code=exc.code.name, error=exc.message)
                 await context.abort(exc.code, exc.message)
@@ -683,6 +808,18 @@ class RouterServicer:
 # ---- server lifecycle ----------------------------------------------------------------------------
 
 
+# After the grace period, how long the aborted streams get to send their final messages.
+_FINAL_MESSAGES_S = 1.0
+
+
+def _backstop_rpcs(options: RouterOptions) -> int | None:
+    """grpc's own cap, far above admission control's (whose refusals say which limit was hit):
+    it bounds what the process holds if calls arrive faster than the servicer refuses them."""
+    if not options.max_concurrent_requests:
+        return None
+    return 4 * options.max_concurrent_requests + 64
+
+
 @dataclass
 class RunningRouter:
     server: grpc.aio.Server
@@ -691,19 +828,39 @@ class RunningRouter:
     health: health.aio.HealthServicer
 
     async def stop(self, grace: float | None = 5.0) -> None:
-        """NOT_SERVING, refuse new calls, let in-flight ones finish for `grace` seconds (then they
-        are cancelled, which aborts them on the workers), close the channels."""
+        """NOT_SERVING, refuse new calls, let in-flight ones finish for `grace` seconds; streams still
+        running then end with finish reason "abort" (and are aborted on the workers), a moment later
+        anything left is cancelled; close the channels. A second call does nothing."""
+        if self.servicer.stopping:
+            return
+        self.servicer.stopping = True
         await self.health.enter_graceful_shutdown()
-        await self.server.stop(grace)
+        grace = 0.0 if grace is None else grace
+        stopped = asyncio.ensure_future(self.server.stop(grace + _FINAL_MESSAGES_S))
+        deadline = time.monotonic() + grace
+        while self.servicer.admission.in_progress and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.servicer.runs:
+            log.info("router shutdown: aborting streams still running", streams=len(self.servicer.runs))
+            self.servicer.interrupt_all("the router is shutting down")
+        await stopped
         await self.servicer.close()
 
 
-async def start_router(options: RouterOptions, host: str = "127.0.0.1", port: int = 0) -> RunningRouter:
+# With client tokens on, only health stays open (reflection too needs a token); ListWorkers shows
+# internal addresses, so it needs a token with the admin role.
+_OPEN_METHODS = HEALTH_METHODS
+_ADMIN_METHODS = frozenset({f"/{SERVICE_NAME}/ListWorkers"})
+
+
+async def start_router(options: RouterOptions, host: str = "127.0.0.1", port: int = 0,
+                       security: ServerSecurity = ServerSecurity()) -> RunningRouter:
+    """`security`: TLS of the public port and the client tokens it accepts (llmserve/security.py)."""
     server = grpc.aio.server(options=[
         ("grpc.so_reuseport", 0),  # a second router on the same port fails instead of sharing it
-        ("grpc.max_receive_message_length", 64 << 20),  # long prompts (the worker accepts 64 MiB too)
-        ("grpc.max_send_message_length", 64 << 20),
-    ])
+        *message_size_options(),  # the same bound on every service and channel
+    ], maximum_concurrent_rpcs=_backstop_rpcs(options),
+        interceptors=security.interceptors(_OPEN_METHODS, _ADMIN_METHODS, realm="router"))
     health_servicer = health.aio.HealthServicer()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, _NOT_SERVING)
@@ -713,16 +870,20 @@ async def start_router(options: RouterOptions, host: str = "127.0.0.1", port: in
     server.add_registered_method_handlers(SERVICE_NAME, handlers)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, "grpc.health.v1.Health", reflection.SERVICE_NAME), server)
-    bound = listen(server, host, port)
+    bound = listen(server, host, port, security.tls)
     await server.start()
     servicer.start()
     return RunningRouter(server, bound, servicer, health_servicer)
 
 
-async def _serve(options: RouterOptions, host: str, port: int, port_file: str | None, grace: float) -> int:
-    running = await start_router(options, host, port)
+async def _serve(options: RouterOptions, host: str, port: int, port_file: str | None, grace: float,
+                 security: ServerSecurity) -> int:
+    running = await start_router(options, host, port, security)
+    internal = options.internal_security
     log.info("router listening", address=grpc_address(host, running.port), tokenizer=options.tokenizer,
-             workers=list(options.workers), policy=options.policy)
+             workers=list(options.workers), policy=options.policy, tls=security.tls is not None,
+             mtls=security.tls is not None and security.tls.mutual, auth=security.tokens is not None,
+             internal_tls=internal.tls is not None, internal_token=internal.token is not None)
     if port_file:
         tmp = Path(f"{port_file}.tmp")
         tmp.write_text(f"{running.port}\n")
@@ -738,6 +899,6 @@ async def _serve(options: RouterOptions, host: str, port: int, port_file: str | 
 
 
 def serve(options: RouterOptions, host: str = "127.0.0.1", port: int = 0, port_file: str | None = None,
-          grace: float = 5.0) -> int:
+          grace: float = 5.0, security: ServerSecurity = ServerSecurity()) -> int:
     """Serve until SIGINT or SIGTERM, then stop gracefully and return 0."""
-    return asyncio.run(_serve(options, host, port, port_file, grace))
+    return asyncio.run(_serve(options, host, port, port_file, grace, security))

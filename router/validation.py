@@ -3,9 +3,9 @@
 The router checks what it can before any token is generated, so a bad request costs no tokenizer
 or worker round trip (and the worker's own checks stay a second line). Conventions follow
 router.proto: proto3 zeros of plain fields mean "off"/default (top_p 0 -> 1.0, top_k 0 or -1 -> off,
-repetition_penalty 0 -> 1.0, n 0 -> 1); `optional` fields distinguish unset from zero
-(temperature unset -> 1.0, 0 -> greedy; max_new_tokens unset -> what the context leaves, <= 0 ->
-nothing generated).
+repetition_penalty 0 -> 1.0); `optional` fields distinguish unset from zero (temperature unset ->
+1.0, 0 -> greedy; max_new_tokens unset -> what the context leaves, set to <= 0 -> INVALID_ARGUMENT;
+n unset -> 1, set to < 1 -> INVALID_ARGUMENT). Caps on counts and sizes are router/limits.py's.
 """
 
 from __future__ import annotations
@@ -93,7 +93,12 @@ def validate_sampling(sp: pb.SamplingParams, facts: ModelFacts, prefix: str = "s
 def validate_model(model: str, facts: ModelFacts) -> None:
     if model and model != facts.name:
         raise RouterError(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"model: unknown model {model!r}; this cluster serves {facts.name!r}", "model")
+                          f"model: unknown model {echo(model)}; this cluster serves {facts.name!r}", "model")
+
+
+def echo(text: str, limit: int = 64) -> str:
+    """A client string shortened for a status message or a log line (never echoed unbounded)."""
+    return repr(text) if len(text) <= limit else f"{text[:limit]!r}... ({len(text)} characters)"
 
 
 def validate_token_ids(ids: Sequence[int], facts: ModelFacts, field: str) -> None:

@@ -32,6 +32,7 @@ from smg_grpc_proto import sglang_scheduler_pb2 as spb
 from smg_grpc_proto import sglang_scheduler_pb2_grpc as spb_grpc
 
 from llmserve.logging import get_logger
+from llmserve.security import ChannelSecurity
 from llmserve.v1 import router_pb2 as pb
 
 log = get_logger(__name__)
@@ -123,7 +124,8 @@ def _split_load(resp: spb.GetLoadsResponse) -> spb.SchedulerLoad:
 
 class WorkerPool:
     def __init__(self, addresses: Sequence[str], options: PoolOptions | None = None,
-                 on_change: Callable[[], None] | None = None):
+                 on_change: Callable[[], None] | None = None, security: ChannelSecurity = ChannelSecurity()):
+        """`security`: TLS and the internal token of the channels to the groups."""
         if not addresses:
             raise ValueError("at least one worker group address is needed")
         self.options = options or PoolOptions()
@@ -131,7 +133,7 @@ class WorkerPool:
             raise ValueError(f"unknown policy {self.options.policy!r}; choose from {', '.join(POLICIES)}")
         self.groups: list[WorkerGroup] = []
         for i, address in enumerate(addresses):
-            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            channel = security.aio_channel(address, CHANNEL_OPTIONS)
             self.groups.append(WorkerGroup(i, address, channel, spb_grpc.SglangSchedulerStub(channel)))
         self._on_change = on_change or (lambda: None)
         self._rr = itertools.count()
@@ -151,6 +153,8 @@ class WorkerPool:
                 await self._task
             except asyncio.CancelledError:
                 pass
+        if self._background:  # Aborts in flight (e.g. of streams ended by shutdown) get delivered
+            await asyncio.wait(list(self._background), timeout=self.options.probe_timeout)
         for g in self.groups:
             await g.channel.close()
 

@@ -18,8 +18,10 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from llmserve.message_limits import message_size_options
 from llmserve.grpc_listen import grpc_address, listen
 from llmserve.logging import get_logger, request_context
+from llmserve.security import HEALTH_METHODS, ServerSecurity
 from llmserve.v1 import tokenizer_pb2 as pb
 from llmserve.v1 import tokenizer_pb2_grpc as pb_grpc
 from tokenizer_svc.detokenizer import IncrementalDetokenizer
@@ -146,24 +148,30 @@ class RunningServer:
         await self.server.stop(grace)
 
 
-async def start_server(model: str | Path | ModelTokenizer, host: str = "127.0.0.1", port: int = 0) -> RunningServer:
-    """Start serving on host:port (port 0 picks a free one); return the server and its bound port."""
+async def start_server(model: str | Path | ModelTokenizer, host: str = "127.0.0.1", port: int = 0,
+                       security: ServerSecurity = ServerSecurity()) -> RunningServer:
+    """Start serving on host:port (port 0 picks a free one); return the server and its bound port.
+    `security`: TLS, and the internal token every call but grpc.health.v1 must carry."""
     tokenizer = model if isinstance(model, ModelTokenizer) else ModelTokenizer.from_dir(model)
-    server = grpc.aio.server()
+    server = grpc.aio.server(options=message_size_options(),  # the router's bound, not grpc's 4 MiB
+                             interceptors=security.interceptors(HEALTH_METHODS, realm="tokenizer service"))
     pb_grpc.add_TokenizerServicer_to_server(TokenizerServicer(tokenizer), server)
     health_servicer = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, "grpc.health.v1.Health", reflection.SERVICE_NAME), server)
-    bound = listen(server, host, port)
+    bound = listen(server, host, port, security.tls)
     await server.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     return RunningServer(server, bound, health_servicer)
 
 
-async def _serve(model_dir: str | Path, host: str, port: int, port_file: str | Path | None) -> int:
-    running = await start_server(model_dir, host, port)
-    log.info("tokenizer service listening", address=grpc_address(host, running.port), model=str(model_dir))
+async def _serve(model_dir: str | Path, host: str, port: int, port_file: str | Path | None,
+                 security: ServerSecurity) -> int:
+    running = await start_server(model_dir, host, port, security)
+    log.info("tokenizer service listening", address=grpc_address(host, running.port), model=str(model_dir),
+             tls=security.tls is not None, mtls=security.tls is not None and security.tls.mutual,
+             auth=security.tokens is not None)
     if port_file is not None:
         tmp = Path(f"{port_file}.tmp")
         tmp.write_text(f"{running.port}\n")
@@ -179,6 +187,6 @@ async def _serve(model_dir: str | Path, host: str, port: int, port_file: str | P
 
 
 def serve(model_dir: str | Path, host: str = "127.0.0.1", port: int = 0,
-          port_file: str | Path | None = None) -> int:
+          port_file: str | Path | None = None, security: ServerSecurity = ServerSecurity()) -> int:
     """Serve until SIGINT or SIGTERM, then stop gracefully and return 0."""
-    return asyncio.run(_serve(model_dir, host, port, port_file))
+    return asyncio.run(_serve(model_dir, host, port, port_file, security))

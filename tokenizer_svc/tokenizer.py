@@ -8,6 +8,7 @@ not HTML-escape), so the ids match `AutoTokenizer.apply_chat_template(..., token
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -74,6 +75,15 @@ def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
 
 def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
+
+
+# Private-use code points: no template or tokenizer gives them meaning.
+_HIDE_OPEN, _HIDE_CLOSE = "\ue000", "\ue001"
+_HIDDEN = re.compile(f"{_HIDE_OPEN}(\\d+){_HIDE_CLOSE}")
+
+
+def _plain(m: ChatMessage | Mapping[str, str]) -> dict[str, str]:
+    return {"role": m.role, "content": m.content} if isinstance(m, ChatMessage) else dict(m)
 
 
 def compile_chat_template(source: str) -> jinja2.Template:
@@ -145,8 +155,7 @@ class ModelTokenizer:
             raise NoChatTemplateError("chat", "this model's tokenizer has no chat template")
         if not messages:
             raise TokenizerInputError("chat.messages", "must not be empty")
-        plain = [{"role": m.role, "content": m.content} if isinstance(m, ChatMessage) else dict(m)
-                 for m in messages]
+        plain = [_plain(m) for m in messages]
         try:
             return self._template.render(
                 messages=plain, add_generation_prompt=add_generation_prompt,
@@ -158,9 +167,49 @@ class ModelTokenizer:
 
     def encode_chat(self, messages: Sequence[ChatMessage | Mapping[str, str]],
                     add_generation_prompt: bool = False) -> tuple[list[int], str]:
-        """(ids, rendered text). The template writes BOS itself, so no special tokens are added."""
-        text = self.render_chat(messages, add_generation_prompt)
-        return self.encode(text, add_special_tokens=False), text
+        """(ids, rendered text). The template writes BOS itself, so no special tokens are added.
+
+        A special token's string inside a message (its content or role) is encoded as plain text,
+        never as the control token: otherwise a user could close their turn and forge a system
+        turn. The template is rendered once with each such occurrence replaced by a placeholder,
+        the text between placeholders is encoded as usual (the template's own special tokens stay
+        control tokens) and each placeholder as its string's text tokens. Messages without such
+        strings (nearly all) encode exactly as HF's apply_chat_template does."""
+        plain = [_plain(m) for m in messages]
+        found: list[str] = []
+        pattern = self._special_pattern
+        if pattern is not None:
+            def hide(text: str) -> str:
+                def placeholder(match: re.Match) -> str:
+                    found.append(match.group(0))
+                    return f"{_HIDE_OPEN}{len(found) - 1}{_HIDE_CLOSE}"
+                return pattern.sub(placeholder, text)
+
+            plain = [{**m, "role": hide(m.get("role", "")), "content": hide(m.get("content", ""))} for m in plain]
+        rendered = self.render_chat(plain, add_generation_prompt)
+        if not found:
+            return self.encode(rendered, add_special_tokens=False), rendered
+        ids: list[int] = []
+        pieces = _HIDDEN.split(rendered)  # text, index, text, index, ..., text
+        for k, piece in enumerate(pieces):
+            if k % 2 == 0:
+                ids += self.encode(piece, add_special_tokens=False) if piece else []
+            else:
+                ids += self._as_text.encode(found[int(piece)], add_special_tokens=False).ids
+        text = _HIDDEN.sub(lambda m: found[int(m.group(1))], rendered)
+        return ids, text
+
+    @cached_property
+    def _special_pattern(self) -> re.Pattern | None:
+        tokens = sorted(set(self.special_tokens.values()), key=len, reverse=True)
+        return re.compile("|".join(map(re.escape, tokens))) if tokens else None
+
+    @cached_property
+    def _as_text(self) -> Tokenizer:
+        """A copy that encodes special tokens' strings as ordinary text."""
+        copy = Tokenizer.from_str(self.tokenizer.to_str())
+        copy.encode_special_tokens = True
+        return copy
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -263,7 +263,8 @@ def test_32_concurrent_streams(cluster: Cluster, tok: ModelTokenizer, reference)
         assert c.finish.reason == "length"
     # least_load spread them over both groups.
     served = [sum(1 for r in cluster.workers[i].log_records()
-                  if r.get("event") == "generate finished" and str(r.get("request_id", "")).startswith("concurrent-"))
+                  if r.get("event") == "generate finished"
+                  and str(r.get("client_request_id", "")).startswith("concurrent-"))
               for i in range(2)]
     assert sum(served) == 32 and min(served) >= 4, served
 
@@ -328,8 +329,11 @@ def test_stop_string_spanning_token_boundaries(cluster: Cluster, client: RouterC
     # The worker was told to stop: nothing keeps running toward max_new_tokens=200.
     for i in range(2):
         _wait_idle(cluster, i)
-    assert any(r.get("event") == "abort" and r.get("request_id") == "stop-span"
-               for w in cluster.workers for r in w.log_records())
+    # The worker knows the call by the engine id the router minted; the client's id is a label.
+    records = [r for w in cluster.workers for r in w.log_records()]
+    engine_ids = {r["request_id"] for r in records if r.get("client_request_id") == "stop-span"}
+    assert engine_ids and "stop-span" not in engine_ids
+    assert any(r.get("event") == "abort" and r.get("request_id") in engine_ids for r in records)
 
 
 def test_request_id_reaches_every_log_line(cluster: Cluster, client: RouterClient) -> None:
@@ -337,7 +341,8 @@ def test_request_id_reaches_every_log_line(cluster: Cluster, client: RouterClien
     assert c.request_id == "rid-from-metadata"
     router_lines = [r for r in cluster.router.log_records() if r.get("request_id") == "rid-from-metadata"]
     assert {"generate routed", "generate finished"} <= {r["event"] for r in router_lines}
-    worker_lines = [r for w in cluster.workers for r in w.log_records() if r.get("request_id") == "rid-from-metadata"]
+    worker_lines = [r for w in cluster.workers for r in w.log_records()
+                    if r.get("client_request_id") == "rid-from-metadata"]
     assert {"generate accepted", "generate finished"} <= {r["event"] for r in worker_lines}
     (generated,) = collect(client.generate("Hello", max_new_tokens=2))
     assert len(generated.request_id) == 32  # assigned by the router

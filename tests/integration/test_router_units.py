@@ -251,7 +251,7 @@ def tok(tok_dir: Path) -> ModelTokenizer:
 
 
 @contextlib.asynccontextmanager
-async def fake_cluster(tok_dir: Path, workers: list[FakeWorker], policy: str = "round_robin"):
+async def fake_cluster(tok_dir: Path, workers: list[FakeWorker], policy: str = "round_robin", **options):
     tokenizer = await start_tokenizer(tok_dir, "127.0.0.1", 0)
     servers, addrs = [], []
     for w in workers:
@@ -261,7 +261,7 @@ async def fake_cluster(tok_dir: Path, workers: list[FakeWorker], policy: str = "
         await server.start()
         servers.append(server)
     router = await start_router(RouterOptions(tokenizer=f"127.0.0.1:{tokenizer.port}", workers=addrs, policy=policy,
-                                              probe_interval=0.1))
+                                              probe_interval=0.1, **options))
     client = AsyncRouterClient(f"127.0.0.1:{router.port}", timeout=TIMEOUT)
     try:
         for _ in range(200):
@@ -305,12 +305,16 @@ def test_text_equals_decode_and_stop_string_across_multi_token_chunks(tok_dir: P
             assert tok.decode(stopped.token_ids).startswith(stopped.text + "lazy dog.")
             included = (await client.complete("hi", max_new_tokens=100, stop=["lazy dog."], include_stop_str_in_output=True))[0]
             assert included.text == "The quick brown fox jumps over the lazy dog."
+            # The worker is told to stop generating, under the engine id the router minted (the
+            # client's id is only a label: no client can name another client's request).
+            engine_id = worker.requests[1].request_id
             for _ in range(100):
-                if "stop-req" in worker.aborts:
+                if engine_id in worker.aborts:
                     break
                 await asyncio.sleep(0.01)
-            assert "stop-req" in worker.aborts  # the worker was told to stop generating
-            assert worker.metadata[1].get("x-request-id") == "stop-req" and worker.requests[1].request_id == "stop-req"
+            assert engine_id.startswith("rt-") and engine_id in worker.aborts
+            assert worker.metadata[1].get("x-request-id") == engine_id
+            assert worker.metadata[1].get("x-client-request-id") == "stop-req"
             assert list(worker.requests[1].sampling_params.stop) == []  # stop strings stay in the router
 
     _run(scenario)
@@ -326,7 +330,8 @@ def test_n2_stop_string_aborts_only_that_sample(tok_dir: Path, tok: ModelTokeniz
             out = await client.complete("hi", n=2, stop=["three"], request_id="nreq", max_new_tokens=50)
             assert out[0].text == "one two " and out[0].finish.stop_str == "three"
             assert out[1].text == "alpha beta gamma delta epsilon" and out[1].finish.reason == "length"
-            assert "nreq-n0" in worker.aborts and "nreq" not in worker.aborts
+            engine_id = worker.requests[-1].request_id
+            assert f"{engine_id}-n0" in worker.aborts and engine_id not in worker.aborts
 
     _run(scenario)
 
