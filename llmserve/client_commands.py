@@ -7,7 +7,9 @@ checks).
     llmserve chat [--router HOST:PORT] [--system TEXT] [--message TEXT ...]   # no --message: interactive
     llmserve health HOST:PORT [--service NAME] [--wait SECONDS]
 
-The router address defaults to $LLMSERVE_ROUTER, else 127.0.0.1:30000.
+The router address defaults to $LLMSERVE_ROUTER, else 127.0.0.1:30000. A router serving TLS:
+`--tls-ca FILE` (or `--tls` for the system's roots), plus `--tls-cert/--tls-key` when it requires a
+client certificate; one requiring a token: `--token-file FILE` (its first token is sent).
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import os
 import sys
 import time
 from typing import Any
+
+from llmserve.security_args import add_client_args
 
 DEFAULT_ROUTER = "127.0.0.1:30000"
 
@@ -55,6 +59,7 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     o.add_argument("--timeout", type=float, default=None, metavar="S", help="deadline of the call in seconds")
     o.add_argument("--request-id", default=None, help="request id (x-request-id); default: the router assigns one")
     o.add_argument("--model", default="", help="model name (default: the served one)")
+    add_client_args(p.add_argument_group("security"))
 
 
 _SAMPLING_KEYS = ("max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "min_p",
@@ -108,12 +113,26 @@ def _rpc_failed(cmd: str, exc: Any) -> int:
     return 1
 
 
+def _client(cmd: str, args: argparse.Namespace) -> Any:
+    """A RouterClient with the security flags applied; None (after a message) when they are bad."""
+    from llmserve.security import SecurityConfigError
+    from llmserve.security_args import client_security_from_args
+    from router.client import RouterClient
+
+    try:
+        security = client_security_from_args(args)
+    except SecurityConfigError as exc:
+        print(f"llmserve {cmd}: {exc}", file=sys.stderr)
+        return None
+    return RouterClient(args.router or _router_default(), tls=security.tls, token=security.token)
+
+
 def _run_generate(args: argparse.Namespace) -> int:
     import grpc
 
-    from router.client import RouterClient
-
-    client = RouterClient(args.router or _router_default())
+    client = _client("generate", args)
+    if client is None:
+        return 2
     try:
         deltas = client.generate(args.prompt, model=args.model, request_id=args.request_id, timeout=args.timeout,
                                  **_sampling(args))
@@ -130,9 +149,9 @@ def _run_generate(args: argparse.Namespace) -> int:
 def _run_chat(args: argparse.Namespace) -> int:
     import grpc
 
-    from router.client import RouterClient
-
-    client = RouterClient(args.router or _router_default())
+    client = _client("chat", args)
+    if client is None:
+        return 2
     history: list[tuple[str, str]] = [("system", args.system)] if args.system else []
     sampling = _sampling(args)
 
@@ -184,9 +203,17 @@ def _run_health(args: argparse.Namespace) -> int:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+    from llmserve.security import SecurityConfigError
+    from llmserve.security_args import client_security_from_args
+
+    try:
+        security = client_security_from_args(args)
+    except SecurityConfigError as exc:
+        print(f"llmserve health: {exc}", file=sys.stderr)
+        return 2
     deadline = time.monotonic() + args.wait
     status_name = "UNKNOWN"
-    with grpc.insecure_channel(args.address) as channel:
+    with security.channel(args.address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
             try:
@@ -234,6 +261,7 @@ def register_health(subparsers: "argparse._SubParsersAction[argparse.ArgumentPar
     p.add_argument("--timeout", type=float, default=3.0, metavar="S", help="timeout of one check")
     p.add_argument("--wait", type=float, default=0.0, metavar="S", help="keep retrying for up to S seconds")
     p.add_argument("-q", "--quiet", action="store_true")
+    add_client_args(p.add_argument_group("security (grpc.health.v1 needs no token)"), token=False)
     p.set_defaults(func=_run_health)
 
 

@@ -38,6 +38,7 @@ import hashlib
 import hmac
 import os
 import re
+import secrets
 import ssl
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -229,6 +230,16 @@ class BearerToken:
 
     def metadata(self) -> tuple[str, str]:
         return (AUTH_METADATA_KEY, f"Bearer {self.value}")
+
+
+def write_new_token(path: str | os.PathLike[str]) -> Path:
+    """A fresh random token in a new file only its owner can read (`serve`'s internal token)."""
+    target = Path(path)
+    target.unlink(missing_ok=True)
+    fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32) + "\n")
+    return target
 
 
 @dataclass(frozen=True)

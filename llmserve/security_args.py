@@ -13,6 +13,8 @@ configs at the edge. Every flag takes a file path: secrets never appear in proce
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 # llmserve/security.py (and grpc) load only when flags are parsed: registering subcommands stays light.
@@ -104,3 +106,87 @@ def client_security_from_args(args: argparse.Namespace) -> ChannelSecurity:
     token_file = getattr(args, "token_file", None)
     token = BearerToken.from_file(token_file, "--token-file") if token_file else None
     return ChannelSecurity(tls, token)
+
+
+# ---- `llmserve serve`: one certificate and one client-token file for the whole local cluster ------
+
+
+def add_serve_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    parser.add_argument("--tls-cert", default=None, metavar="FILE",
+                        help="every service serves TLS with this PEM certificate (default: plaintext); it must "
+                        "name the host the services are reached at (see --tls-server-name)")
+    parser.add_argument("--tls-key", default=None, metavar="FILE", help="the PEM private key of --tls-cert")
+    parser.add_argument("--tls-ca", default=None, metavar="FILE",
+                        help="the CA that signed --tls-cert, which the router and serve verify the services "
+                        "with (default: --tls-cert itself, for a self-signed certificate)")
+    parser.add_argument("--tls-server-name", default=None, metavar="NAME",
+                        help="name --tls-cert carries, when it differs from the host dialled")
+    parser.add_argument("--auth-token-file", default=None, metavar="FILE",
+                        help="the router requires a client token from this file (docs/security.md); the "
+                        "tokenizer service and workers then require a fresh internal token")
+
+
+@dataclass(frozen=True)
+class ServeSecurity:
+    """`serve`'s security flags, checked once; `client` is how serve itself (health checks, the
+    demo) reaches its children and router."""
+
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    tls_ca: Path | None = None
+    server_name: str | None = None
+    auth_token_file: Path | None = None
+    client: ChannelSecurity | None = None
+
+    @property
+    def tls(self) -> bool:
+        return self.tls_cert is not None
+
+    def _tls_argv(self) -> list[str]:
+        return ["--tls-cert", str(self.tls_cert), "--tls-key", str(self.tls_key)] if self.tls else []
+
+    def backend_argv(self, internal_token: Path | None) -> list[str]:
+        """Flags of the tokenizer service and the workers."""
+        return self._tls_argv() + (["--internal-token-file", str(internal_token)] if internal_token else [])
+
+    def router_argv(self, internal_token: Path | None) -> list[str]:
+        argv = self._tls_argv()
+        if self.tls:
+            argv += ["--internal-tls-ca", str(self.tls_ca or self.tls_cert)]
+            argv += ["--internal-tls-server-name", self.server_name] if self.server_name else []
+        argv += ["--auth-token-file", str(self.auth_token_file)] if self.auth_token_file else []
+        return argv + (["--internal-token-file", str(internal_token)] if internal_token else [])
+
+    def client_argv(self) -> list[str]:
+        """What `llmserve generate/chat` need to reach the router (printed as a hint)."""
+        argv = ["--tls-ca", str(self.tls_ca or self.tls_cert)] if self.tls else []
+        argv += ["--tls-server-name", self.server_name] if self.server_name else []
+        return argv + (["--token-file", str(self.auth_token_file)] if self.auth_token_file else [])
+
+
+def serve_security_from_args(args: argparse.Namespace) -> ServeSecurity:
+    """Loads every file once, so a bad one stops `serve` before any child starts."""
+    from llmserve.security import BearerToken, ChannelSecurity, ChannelTls, SecurityConfigError, ServerTls, TokenTable
+
+    cert, key = args.tls_cert, args.tls_key
+    if (cert is None) != (key is None):
+        missing, given = ("--tls-cert", "--tls-key") if cert is None else ("--tls-key", "--tls-cert")
+        raise SecurityConfigError(f"{missing}: needed with {given} (a certificate and its private key)")
+    if cert is None and (args.tls_ca or args.tls_server_name):
+        raise SecurityConfigError(f"{'--tls-ca' if args.tls_ca else '--tls-server-name'}: needs --tls-cert")
+    tls = None
+    if cert is not None:
+        ServerTls.from_files(cert, key)
+        ca_flag = "--tls-ca" if args.tls_ca else "--tls-cert"
+        tls = ChannelTls.from_files(args.tls_ca or cert, server_name=args.tls_server_name,
+                                    flags=(ca_flag, "--tls-cert", "--tls-key"))
+    token = None
+    if args.auth_token_file is not None:
+        TokenTable.from_file(args.auth_token_file, "--auth-token-file")
+        token = BearerToken.from_file(args.auth_token_file, "--auth-token-file")
+
+    def absolute(p: str | None) -> Path | None:
+        return Path(p).resolve() if p else None
+
+    return ServeSecurity(absolute(cert), absolute(key), absolute(args.tls_ca), args.tls_server_name or None,
+                         absolute(args.auth_token_file), ChannelSecurity(tls, token))

@@ -12,6 +12,13 @@
         async for delta in client.generate("Once upon a time", max_new_tokens=32):
             ...
 
+A router serving TLS and requiring a token (llmserve/security.py):
+
+    from llmserve.security import BearerToken, ChannelTls
+    RouterClient("router.example:30000", tls=ChannelTls.from_files(ca="ca.pem"),   # or tls=True: system roots
+                 token=BearerToken.from_file("client.token"))                     # or token="the-token"
+    # mTLS: ChannelTls.from_files(ca="ca.pem", cert="client.pem", key="client.key")
+
 Sampling keywords are the fields of router.proto's SamplingParams (max_new_tokens, temperature,
 top_p, top_k, min_p, repetition_penalty, frequency_penalty, presence_penalty, seed, stop,
 stop_token_ids, ignore_eos, n, logprobs, top_logprobs, include_stop_str_in_output,
@@ -29,6 +36,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from llmserve.security import BearerToken, ChannelSecurity, ChannelTls
 from llmserve.v1 import router_pb2 as pb
 from llmserve.v1 import router_pb2_grpc as pb_grpc
 from llmserve.v1 import tokenizer_pb2 as tpb
@@ -162,8 +170,17 @@ def _add(c: Completion, d: Delta) -> None:
         c.finish = d.finish
 
 
-def _metadata(request_id: str | None, metadata: Sequence[tuple[str, str]] | None) -> list[tuple[str, str]]:
-    md = list(metadata or ())
+def _security(tls: ChannelTls | bool | None, token: str | BearerToken | None) -> ChannelSecurity:
+    """`tls`: None/False plaintext, True TLS with the system's roots, or a ChannelTls; `token`: the
+    client token (a string or a BearerToken), sent on every call."""
+    if tls is True:
+        tls = ChannelTls()
+    return ChannelSecurity(tls or None, BearerToken(token) if isinstance(token, str) else token)
+
+
+def _metadata(request_id: str | None, metadata: Sequence[tuple[str, str]] | None,
+              auth: Sequence[tuple[str, str]] = ()) -> list[tuple[str, str]]:
+    md = list(metadata or ()) + list(auth)
     if request_id:
         md.append(("x-request-id", request_id))
     return md
@@ -173,10 +190,13 @@ class RouterClient:
     """Blocking client. Thread-safe (one channel)."""
 
     def __init__(self, address: str, timeout: float | None = None,
-                 options: Sequence[tuple[str, Any]] = ()):
+                 options: Sequence[tuple[str, Any]] = (), *, tls: ChannelTls | bool | None = None,
+                 token: str | BearerToken | None = None):
         self.address = address
         self.timeout = timeout  # default per-call deadline in seconds (None: none)
-        self.channel = grpc.insecure_channel(address, options=list(options))
+        security = _security(tls, token)
+        self._auth = security.metadata()  # added to every call
+        self.channel = security.channel(address, options)
         self.stub = pb_grpc.RouterStub(self.channel)
 
     def close(self) -> None:
@@ -193,7 +213,7 @@ class RouterClient:
 
     def _stream(self, method, request, timeout, request_id, metadata) -> Iterator[Delta]:
         call = method(request, timeout=timeout if timeout is not None else self.timeout,
-                      metadata=_metadata(request_id, metadata))
+                      metadata=_metadata(request_id, metadata, self._auth))
         try:
             for resp in call:
                 yield to_delta(resp)
@@ -225,17 +245,17 @@ class RouterClient:
         req = pb.TokenizeRequest(text=text)
         if add_special_tokens is not None:
             req.add_special_tokens = add_special_tokens
-        return list(self.stub.Tokenize(req, timeout=timeout or self.timeout).token_ids)
+        return list(self.stub.Tokenize(req, timeout=timeout or self.timeout, metadata=self._auth).token_ids)
 
     def detokenize(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         req = pb.DetokenizeRequest(token_ids=token_ids, skip_special_tokens=skip_special_tokens)
-        return self.stub.Detokenize(req, timeout=self.timeout).text
+        return self.stub.Detokenize(req, timeout=self.timeout, metadata=self._auth).text
 
     def model_info(self) -> pb.GetModelInfoResponse:
-        return self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=self.timeout)
+        return self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=self.timeout, metadata=self._auth)
 
     def list_workers(self) -> pb.ListWorkersResponse:
-        return self.stub.ListWorkers(pb.ListWorkersRequest(), timeout=self.timeout)
+        return self.stub.ListWorkers(pb.ListWorkersRequest(), timeout=self.timeout, metadata=self._auth)
 
     def health(self, service: str = "", timeout: float = 5.0) -> int:
         """grpc.health.v1 status (health_pb2.HealthCheckResponse.SERVING == 1)."""
@@ -247,10 +267,13 @@ class AsyncRouterClient:
     """asyncio client (grpc.aio). Create and use it inside one event loop."""
 
     def __init__(self, address: str, timeout: float | None = None,
-                 options: Sequence[tuple[str, Any]] = ()):
+                 options: Sequence[tuple[str, Any]] = (), *, tls: ChannelTls | bool | None = None,
+                 token: str | BearerToken | None = None):
+        """`tls` and `token` as for RouterClient."""
         self.address = address
         self.timeout = timeout
-        self.channel = grpc.aio.insecure_channel(address, options=list(options))
+        # The channel's interceptor adds the token to every call.
+        self.channel = _security(tls, token).aio_channel(address, options)
         self.stub = pb_grpc.RouterStub(self.channel)
 
     async def close(self) -> None:
