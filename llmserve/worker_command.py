@@ -24,11 +24,15 @@ import asyncio
 import os
 import signal
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import structlog
 
 from llmserve.logging import configure_logging
 from worker_svc.cli_args import add_engine_args, engine_config_from_args
+
+if TYPE_CHECKING:
+    from worker_svc.server import WorkerOptions
 
 log = structlog.get_logger(__name__)
 
@@ -60,7 +64,7 @@ def _tp_layout(args: argparse.Namespace) -> tuple[int, int, str | None]:
 
 async def _serve(args: argparse.Namespace) -> int:
     from worker_svc.engine import Engine
-    from worker_svc.server import WorkerOptions, WorkerServer
+    from worker_svc.server import WorkerServer
 
     config = engine_config_from_args(args)
     size, rank, init_addr = _tp_layout(args)
@@ -103,11 +107,7 @@ async def _serve(args: argparse.Namespace) -> int:
         engine = await asyncio.to_thread(Engine, config)
     if args.debug_step_delay:
         _slow_down(engine, args.debug_step_delay)
-    options = WorkerOptions(
-        served_model_name=args.served_model_name or Path(config.model_path).resolve().name,
-        advertised_model_path=args.advertised_model_path,
-        health_probe_timeout_s=args.health_probe_timeout,
-    )
+    options = worker_options(args)
     server = WorkerServer(engine, host=args.host, port=args.port, options=options, engine_loop=engine_loop)
     port = await server.start()
     if args.port_file:
@@ -124,6 +124,32 @@ async def _serve(args: argparse.Namespace) -> int:
     if leader is not None:
         return await asyncio.to_thread(leader.shutdown)
     return 0
+
+
+def worker_options(args: argparse.Namespace) -> WorkerOptions:
+    from worker_svc.server import WorkerOptions
+
+    return WorkerOptions(
+        served_model_name=args.served_model_name or Path(args.model).resolve().name,
+        advertised_model_path=args.advertised_model_path,
+        health_probe_timeout_s=args.health_probe_timeout,
+        step_stall_timeout_s=args.step_stall_timeout,
+        max_queued_requests=args.max_queued_requests,
+    )
+
+
+def _positive_seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value
+
+
+def _count(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
 
 
 def _slow_down(engine, delay_s: float) -> None:
@@ -172,6 +198,12 @@ def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") 
     )
     g.add_argument("--health-probe-timeout", type=float, default=20.0, metavar="S",
                    help="seconds the idle health check's one-token generation may take")
+    g.add_argument("--step-stall-timeout", type=_positive_seconds, default=120.0, metavar="S",
+                   help="with work pending, no engine step completing for this long makes the worker unhealthy "
+                   "(NOT_SERVING, new requests UNAVAILABLE)")
+    g.add_argument("--max-queued-requests", type=_count, default=1024, metavar="N",
+                   help="at most N requests (samples) wait beyond the --max-running-requests slots; a Generate "
+                   "that would exceed it is refused at once with RESOURCE_EXHAUSTED")
     g.add_argument("--shutdown-grace", type=float, default=5.0, metavar="S",
                    help="seconds in-flight calls may run on after SIGTERM before they are aborted")
     g.add_argument("--debug-step-delay", type=float, default=0.0, metavar="S", help=argparse.SUPPRESS)

@@ -95,6 +95,9 @@ class EngineLoop:
         self.step_count = 0
         self.step_started_at: float | None = None  # monotonic; set while a step runs
         self.last_step_end: float | None = None
+        # When work last arrived at an idle engine: progress is measured from there or from the
+        # last completed step, whichever is later (see stalled_for).
+        self._work_since = time.monotonic()
         self._load = self._snapshot()
 
     # ---- lifecycle -------------------------------------------------------------------------------
@@ -172,7 +175,10 @@ class EngineLoop:
                 raise EngineUnavailable(f"engine is {self._state.value}")
             if rid in self._sinks:
                 raise ValueError(f"request id {rid!r} is already in flight")
+            idle = not self._sinks
             self.scheduler.submit(request)  # validates; raises RequestError
+            if idle:
+                self._work_since = time.monotonic()
             self._sinks[rid] = sink
             self._cv.notify()
         return request
@@ -191,6 +197,20 @@ class EngineLoop:
         with self._cv:
             return list(self._sinks)
 
+    def in_flight_count(self) -> int:
+        """Requests submitted and not yet finished (running or waiting)."""
+        with self._cv:
+            return len(self._sinks)
+
+    def stalled_for(self) -> float | None:
+        """Seconds since the engine last made progress while it has work: since its last completed
+        step, or since work arrived at an idle engine if that is later. None while idle. A step
+        that runs long, or an engine thread stuck outside a step, both count."""
+        if not self.busy():
+            return None
+        since = max(self.last_step_end or 0.0, self._work_since)
+        return max(0.0, time.monotonic() - since)
+
     def load(self) -> LoadSnapshot:
         with self._cv:
             snap, in_flight = self._load, len(self._sinks)
@@ -198,7 +218,10 @@ class EngineLoop:
         return dataclasses.replace(snap, in_flight=in_flight, gen_throughput=throughput)
 
     def busy(self) -> bool:
-        return self.scheduler.has_work()
+        """Requests are in flight or a step runs. The scheduler alone looks idle while the first
+        forward of a newly admitted request runs (it is in neither queue then). Reads without the
+        lock on purpose: a health check must answer even if the engine thread is stuck holding it."""
+        return bool(self._sinks) or self.step_started_at is not None or self.scheduler.has_work()
 
     # ---- the engine thread -----------------------------------------------------------------------
 

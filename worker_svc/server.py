@@ -6,16 +6,22 @@ outputs that the engine thread pushes onto the call's asyncio queue. When the ca
 reason (client cancel, deadline, the consumer going away, an error) every engine request it still
 has in flight is aborted, so KV slots are freed.
 
-Status codes: INVALID_ARGUMENT for parameters that can never be served (the message starts with the
-field's name), RESOURCE_EXHAUSTED for a prompt that can never fit, UNAVAILABLE when the engine is
-stopping or has failed, INTERNAL when a request's forward step failed.
+Engine request ids are the worker's own, one per sample per call; a caller's request_id is only a
+label that Abort goes by (worker_svc/calls.py). Requests that do not parse (invalid UTF-8 in a
+string field, garbage) are INVALID_ARGUMENT naming the field (llmserve/grpc_wire.py).
+
+Status codes: INVALID_ARGUMENT for parameters that can never be served or a message that does not
+parse (the message starts with the field's name), RESOURCE_EXHAUSTED for a prompt that can never fit
+or a full waiting queue (``max_queued_requests``), UNAVAILABLE when the engine is stopping, has
+failed or has made no progress within ``step_stall_timeout_s``, INTERNAL when a request's forward
+step failed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.metadata
-import itertools
 import threading
 import time
 import uuid
@@ -25,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from google.protobuf import json_format
+from google.protobuf import json_format, message_factory
 import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
@@ -34,7 +40,9 @@ from smg_grpc_proto import sglang_scheduler_pb2_grpc as pb_grpc
 from smg_grpc_proto.generated import common_pb2
 
 from llmserve.grpc_listen import grpc_address, listen
+from llmserve.grpc_wire import InvalidRequest, tolerant
 from worker_svc import grpc_convert
+from worker_svc.calls import CallRegistry
 from worker_svc.engine import Engine
 from worker_svc.engine_loop import EngineLoop, EngineUnavailable, LoopState
 from worker_svc.request import RequestError, StepOutput
@@ -42,10 +50,12 @@ from worker_svc.sampling import SamplingParams
 
 log = structlog.get_logger(__name__)
 
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["SglangScheduler"].full_name
+_SERVICE = pb.DESCRIPTOR.services_by_name["SglangScheduler"]
+SERVICE_NAME = _SERVICE.full_name
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 _GIB = float(1 << 30)
+_DEADLINE_SLACK_S = 0.25
 
 
 def _version() -> str:
@@ -65,8 +75,13 @@ class WorkerOptions:
     # cannot open on its own host tries to fetch it from a model hub (DESIGN.md section 2).
     advertised_model_path: str = ""
     health_probe_timeout_s: float = 20.0
-    # A single step running longer than this makes the worker unhealthy.
+    # With work pending, no completed step for this long (a step that runs on, or an engine thread
+    # stuck outside a step) makes the worker unhealthy (--step-stall-timeout).
     step_stall_timeout_s: float = 120.0
+    # At most this many engine requests (samples) wait beyond the running slots
+    # (max_running_requests); a Generate that would exceed it is RESOURCE_EXHAUSTED at once
+    # (--max-queued-requests).
+    max_queued_requests: int = 1024
 
 
 def _metadata(context: grpc.aio.ServicerContext, key: str) -> str | None:
@@ -86,6 +101,37 @@ def _sink(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, tag: Any) -> Ca
             pass
 
     return put
+
+
+def _refuse_invalid_unary(fn: Callable) -> Callable:
+    async def handle(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if isinstance(request, InvalidRequest):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+        return await fn(request, context)
+
+    return handle
+
+
+def _refuse_invalid_stream(fn: Callable) -> Callable:
+    async def handle(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        if isinstance(request, InvalidRequest):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+        result = fn(request, context)
+        if not hasattr(result, "__aiter__"):  # a coroutine that only aborts (an unsupported method)
+            await result
+            return
+        async with contextlib.aclosing(result) as responses:
+            async for response in responses:
+                yield response
+
+    return handle
+
+
+def add_scheduler_servicer(servicer: "SchedulerServicer", server: grpc.aio.Server) -> None:
+    """Register SglangScheduler like the generated add_..._to_server, with tolerant deserializers."""
+    handlers = servicer.handlers()
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
 
 
 class WorkerHealth(health_aio.HealthServicer):
@@ -116,10 +162,7 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
         self.start_time = time.time()
         self._start_mono = time.monotonic()
         self.last_receive_time = 0.0
-        # request_id (as clients name it) -> engine request ids of its samples still in flight
-        self._by_request_id: dict[str, set[str]] = {}
-        self._active_rids: set[str] = set()
-        self._rid_counter = itertools.count(1)
+        self.calls = CallRegistry()  # Generate calls in flight, by the ids their callers gave them
         self._probe: asyncio.Future | None = None
         self._tokenizer_bundle: tuple[bytes, str] | None = None
 
@@ -131,9 +174,11 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
         if not loop.healthy:
             detail = f": {loop.error!r}" if loop.error is not None else ""
             return False, f"engine loop is {loop.state.value}{detail}"
-        started = loop.step_started_at
-        if started is not None and time.monotonic() - started > self.options.step_stall_timeout_s:
-            return False, f"engine step has been running for {time.monotonic() - started:.0f}s"
+        stalled, limit = loop.stalled_for(), self.options.step_stall_timeout_s
+        if stalled is not None and stalled > limit:
+            where = "in a step" if loop.step_started_at is not None else "outside a step"
+            return False, (f"engine made no progress for {stalled:.1f}s with work pending (stuck {where}; "
+                           f"--step-stall-timeout {limit:g})")
         return True, "ok"
 
     async def check_health(self) -> tuple[bool, str]:
@@ -141,7 +186,7 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
         ok, message = self.liveness()
         if not ok:
             return ok, message
-        if self.loop.busy():
+        if self.loop.busy():  # and, per liveness, making progress
             return True, "ok (busy)"
         if self._probe is None or self._probe.done():
             self._probe = asyncio.ensure_future(self._run_probe())
@@ -150,7 +195,7 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
     async def _run_probe(self) -> tuple[bool, str]:
         aio_loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
-        rid = f"health-probe-{next(self._rid_counter)}"
+        rid = self.calls.mint("health-probe")
         token = self.model_config.bos_token_id or 0
         params = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
         try:
@@ -178,12 +223,6 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
         return pb.HealthCheckResponse(healthy=healthy, message=message)
 
     # ---- generate --------------------------------------------------------------------------------
-
-    def _engine_rid(self, request_id: str, index: int, n: int) -> str:
-        rid = request_id if n == 1 else f"{request_id}-n{index}"
-        while rid in self._active_rids:  # a client reused an id that is still in flight
-            rid = f"{request_id}-n{index}~{next(self._rid_counter)}"
-        return rid
 
     async def Generate(self, request: pb.GenerateRequest, context) -> AsyncIterator[pb.GenerateResponse]:  # noqa: N802
         header_id = _metadata(context, "x-request-id")
@@ -218,105 +257,126 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
             log.info("request rejected", code=code.name, field=exc.field, error=message)
             await context.abort(code, message)
 
+        refusal = self._queue_refusal(spec.n)
+        if refusal is not None:
+            log.info("request rejected", code="RESOURCE_EXHAUSTED", field="max_queued_requests", error=refusal)
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
+
         aio_loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
-        states: list[grpc_convert.SampleState] = []
-        rids = self._by_request_id.setdefault(request_id, set())
-
-        def abort_unfinished(*_: Any) -> None:
-            for st in states:
-                if not st.finished and self.loop.abort(st.rid):
-                    log.info("aborting engine request: call ended early", rid=st.rid)
-
+        call = self.calls.open(request_id, spec.n, received)
+        ending = "call ended early"  # why samples still running when the call ends are aborted
         try:
-            for index, params in enumerate(spec.params):
-                rid = self._engine_rid(request_id, index, spec.n)
-                self.loop.submit(spec.prompt_ids, params, rid, _sink(aio_loop, queue, index))
-                states.append(grpc_convert.SampleState(index=index, rid=rid))
-                rids.add(rid)
-                self._active_rids.add(rid)
-        except (RequestError, EngineUnavailable) as exc:
-            abort_unfinished()
-            self._forget(request_id, states)
-            if isinstance(exc, RequestError):
-                code = grpc.StatusCode.RESOURCE_EXHAUSTED if exc.resource else grpc.StatusCode.INVALID_ARGUMENT
-                await context.abort(code, grpc_convert.error_message(exc))
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        log.info(
-            "generate accepted",
-            prompt_tokens=len(spec.prompt_ids),
-            n=spec.n,
-            stream=spec.stream,
-            max_new_tokens=spec.params[0].max_new_tokens,
-            temperature=spec.params[0].temperature,
-            return_logprob=spec.params[0].return_logprob,
-        )
-        # Belt and braces: the finally below covers cancellation inside this coroutine; the done
-        # callback covers a consumer that stops iterating while we sit at a yield.
-        context.add_done_callback(abort_unfinished)
-        with_logprobs = spec.params[0].return_logprob
-        remaining = spec.n
-        first_token_at: float | None = None
-        try:
+            try:
+                for state, params in zip(call.states, spec.params):
+                    self.loop.submit(spec.prompt_ids, params, state.rid, _sink(aio_loop, queue, state.index))
+                    call.submitted += 1
+            except (RequestError, EngineUnavailable) as exc:
+                ending = "not accepted"
+                if isinstance(exc, RequestError):
+                    code = grpc.StatusCode.RESOURCE_EXHAUSTED if exc.resource else grpc.StatusCode.INVALID_ARGUMENT
+                    await context.abort(code, grpc_convert.error_message(exc))
+                await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+            log.info(
+                "generate accepted",
+                prompt_tokens=len(spec.prompt_ids),
+                n=spec.n,
+                stream=spec.stream,
+                max_new_tokens=spec.params[0].max_new_tokens,
+                temperature=spec.params[0].temperature,
+                return_logprob=spec.params[0].return_logprob,
+            )
+            # Belt and braces: the finally below covers cancellation inside this coroutine; the done
+            # callback covers a consumer that stops iterating while we sit at a yield.
+            context.add_done_callback(lambda _: call.end_early(self.loop, self._end_reason(context)))
+            with_logprobs = spec.params[0].return_logprob
+            remaining = spec.n
             while remaining:
                 index, item = await queue.get()
                 if isinstance(item, EngineUnavailable):
+                    ending = "engine unavailable"
                     log.error("request failed: engine unavailable", error=str(item))
                     await context.abort(grpc.StatusCode.UNAVAILABLE, str(item))
                 out: StepOutput = item
-                state = states[index]
+                state = call.states[index]
                 state.add(out)
+                if out.finished:
+                    call.finished(state, out, self._engine_abort_reason())
                 if out.error:
-                    log.error("request failed", rid=state.rid, error=out.error)
+                    ending = f"sample {index} failed"
+                    log.error("request failed", index=index, rid=state.rid, error=out.error)
                     await context.abort(grpc.StatusCode.INTERNAL, out.error)
-                if out.new_token_ids and first_token_at is None:
-                    first_token_at = time.monotonic()
-                    log.debug("first token", ttft_s=round(first_token_at - received, 4))
+                if out.new_token_ids and call.first_token_at is None:
+                    call.first_token_at = time.monotonic()
+                    log.debug("first token", ttft_s=round(call.first_token_at - received, 4))
                 if spec.stream and out.new_token_ids:
                     yield grpc_convert.chunk_response(request_id, index, out, with_logprobs)
                 if out.finished:
                     remaining -= 1
-                    self._active_rids.discard(state.rid)
-                    rids.discard(state.rid)
-                    log.info(
-                        "generate finished",
-                        index=index,
-                        finish_reason=out.finish_reason.value,
-                        matched_stop=out.matched_stop,
-                        prompt_tokens=out.prompt_tokens,
-                        completion_tokens=out.completion_tokens,
-                        duration_s=round(time.monotonic() - received, 4),
-                        ttft_s=round(first_token_at - received, 4) if first_token_at else None,
-                    )
                     yield grpc_convert.complete_response(request_id, state, with_logprobs)
-        except asyncio.CancelledError:
-            log.info("generate cancelled by the client or its deadline")
+        except (asyncio.CancelledError, GeneratorExit):
+            ending = self._end_reason(context)
+            log.info("generate cancelled", reason=ending)
             raise
         finally:
-            abort_unfinished()
-            self._forget(request_id, states)
+            call.end_early(self.loop, ending)
+            self.calls.close(call)
 
-    def _forget(self, request_id: str, states: list[grpc_convert.SampleState]) -> None:
-        rids = self._by_request_id.get(request_id)
-        for st in states:
-            self._active_rids.discard(st.rid)
-            if rids is not None:
-                rids.discard(st.rid)
-        if rids is not None and not rids:
-            self._by_request_id.pop(request_id, None)
+    def _queue_refusal(self, n: int) -> str | None:
+        """Why a call adding ``n`` engine requests would overflow the waiting queue, or None. Calls
+        are submitted on this event loop only, so the check and the submits do not interleave."""
+        limit = self.options.max_queued_requests
+        slots = self.engine.config.max_running_requests
+        in_flight = self.loop.in_flight_count()
+        if in_flight + n <= slots + limit:
+            return None
+        return (f"worker queue full: {in_flight} requests in flight for {slots} running slots, and with this "
+                f"request's {n} more than {limit} would wait (--max-queued-requests {limit}); retry later or on "
+                "another worker")
+
+    def _end_reason(self, context: grpc.aio.ServicerContext) -> str:
+        """Why a call ended before its samples did: the worker stopping, the deadline, or the client."""
+        if self.loop.state is not LoopState.RUNNING:
+            return "worker shutdown"
+        left = context.time_remaining()
+        # The client's own deadline timer fires a little before the server's copy of the deadline.
+        if left is not None and left < _DEADLINE_SLACK_S:
+            return "deadline"
+        return "client cancel"
+
+    def _engine_abort_reason(self) -> str:
+        """Why the engine aborted a sample nobody asked it to abort."""
+        return "worker shutdown" if self.loop.state is not LoopState.RUNNING else "engine abort"
 
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:  # noqa: N802
         request_id = request.request_id
         structlog.contextvars.clear_contextvars()
         structlog.contextvars.bind_contextvars(request_id=request_id)
-        targets = set(self._by_request_id.get(request_id, ()))
-        if request_id in self._active_rids:  # an engine id (one sample of an n > 1 request)
-            targets.add(request_id)
-        aborted = sorted(rid for rid in targets if self.loop.abort(rid))
-        log.info("abort", reason=request.reason or None, aborted=len(aborted))
+        aborted = self.calls.abort(self.loop, request_id, "abort rpc", request.reason or None)
+        log.info("abort", reason=request.reason or None, aborted=aborted)
         if not aborted:
-            return pb.AbortResponse(success=False, message=f"no request {request_id!r} in flight")
-        return pb.AbortResponse(success=True, message=f"aborted {len(aborted)} engine request(s)")
+            shown = request_id if len(request_id) <= 64 else request_id[:64] + "..."
+            return pb.AbortResponse(success=False, message=f"no request {shown!r} in flight")
+        return pb.AbortResponse(success=True, message=f"aborted {aborted} engine request(s)")
+
+    def handlers(self) -> dict[str, grpc.RpcMethodHandler]:
+        """SglangScheduler's method handlers with tolerant request deserializers: a request that
+        does not parse is INVALID_ARGUMENT naming the field instead of grpcio's UNKNOWN."""
+        handlers = {}
+        for method in _SERVICE.methods:
+            assert not method.client_streaming
+            request_cls = message_factory.GetMessageClass(method.input_type)
+            response_cls = message_factory.GetMessageClass(method.output_type)
+            fn = getattr(self, method.name)
+            if method.server_streaming:
+                handlers[method.name] = grpc.unary_stream_rpc_method_handler(
+                    _refuse_invalid_stream(fn), request_deserializer=tolerant(request_cls),
+                    response_serializer=response_cls.SerializeToString)
+            else:
+                handlers[method.name] = grpc.unary_unary_rpc_method_handler(
+                    _refuse_invalid_unary(fn), request_deserializer=tolerant(request_cls),
+                    response_serializer=response_cls.SerializeToString)
+        return handlers
 
     # ---- info ------------------------------------------------------------------------------------
 
@@ -515,7 +575,7 @@ class WorkerServer:
             ]
         )
         self.health = WorkerHealth(self.servicer.liveness)
-        pb_grpc.add_SglangSchedulerServicer_to_server(self.servicer, self.server)
+        add_scheduler_servicer(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.port = listen(self.server, self.host, self.requested_port)
         health = self.health

@@ -92,7 +92,8 @@ def stub(channel) -> pb_grpc.SglangSchedulerStub:
 
 @pytest.fixture
 def finished(inproc_worker, monkeypatch) -> list[tuple[str, FinishReason]]:
-    """(engine rid, finish reason) of every request the engine finishes during the test."""
+    """(engine rid, finish reason) of every request the engine finishes during the test. The worker
+    mints engine ids ``<request_id>#<seq>`` (worker_svc/calls.py)."""
     records: list[tuple[str, FinishReason]] = []
     loop = inproc_worker.server.loop
     dispatch = loop._dispatch
@@ -269,7 +270,7 @@ def test_client_cancel_mid_stream_aborts_and_frees_kv(stub, finished, slow_steps
     call.cancel()
     load = _wait_idle(stub)
     assert load.num_total_reqs == 0
-    assert ("cancel-me", FinishReason.ABORT) in finished
+    assert [reason for engine_id, reason in finished if engine_id.startswith("cancel-me#")] == [FinishReason.ABORT]
 
 
 def test_deadline_aborts_the_engine_request(stub, finished, slow_steps):
@@ -280,7 +281,7 @@ def test_deadline_aborts_the_engine_request(stub, finished, slow_steps):
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert 0 < received < 230
     _wait_idle(stub)
-    assert ("deadline", FinishReason.ABORT) in finished
+    assert [reason for engine_id, reason in finished if engine_id.startswith("deadline#")] == [FinishReason.ABORT]
 
 
 def test_abort_rpc(stub, slow_steps):
