@@ -41,7 +41,7 @@ from smg_grpc_proto import sglang_scheduler_pb2 as spb
 from llmserve.grpc_listen import grpc_address, listen
 from llmserve.logging import get_logger, request_context
 from llmserve.message_limits import message_size_options
-from llmserve.security import HEALTH_METHODS, ChannelSecurity, ServerSecurity
+from llmserve.security import HEALTH_METHODS, ChannelSecurity, ServerSecurity, current_identity
 from llmserve.v1 import router_pb2 as pb
 from llmserve.v1 import tokenizer_pb2 as tpb
 from llmserve.v1 import tokenizer_pb2_grpc as tpb_grpc
@@ -678,7 +678,8 @@ class RouterServicer:
             return
 
     def _identity(self, context) -> str:
-        return ANONYMOUS  # replaced by the authenticated identity when auth is on
+        # Set by the auth interceptor (llmserve/security.py) from the client's token; None without auth.
+        return current_identity() or ANONYMOUS
 
     async def _serve_stream(self, planner, request, context, rpc: str) -> AsyncIterator[pb.GenerateResponse]:
         if isinstance(request, InvalidRequest):
