@@ -23,15 +23,18 @@ import argparse
 import asyncio
 import os
 import signal
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import structlog
 
 from llmserve.logging import configure_logging
+from llmserve.security_args import add_server_args
 from worker_svc.cli_args import add_engine_args, engine_config_from_args
 
 if TYPE_CHECKING:
+    from llmserve.security import ServerSecurity
     from worker_svc.server import WorkerOptions
 
 log = structlog.get_logger(__name__)
@@ -62,7 +65,7 @@ def _tp_layout(args: argparse.Namespace) -> tuple[int, int, str | None]:
     return size, args.tp_rank, args.dist_init_addr
 
 
-async def _serve(args: argparse.Namespace) -> int:
+async def _serve(args: argparse.Namespace, security: ServerSecurity) -> int:
     from worker_svc.engine import Engine
     from worker_svc.server import WorkerServer
 
@@ -108,7 +111,8 @@ async def _serve(args: argparse.Namespace) -> int:
     if args.debug_step_delay:
         _slow_down(engine, args.debug_step_delay)
     options = worker_options(args)
-    server = WorkerServer(engine, host=args.host, port=args.port, options=options, engine_loop=engine_loop)
+    server = WorkerServer(engine, host=args.host, port=args.port, options=options, engine_loop=engine_loop,
+                          security=security)
     port = await server.start()
     if args.port_file:
         _write_port_file(args.port_file, port)
@@ -167,9 +171,17 @@ def _slow_down(engine, delay_s: float) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from llmserve.security import SecurityConfigError
+    from llmserve.security_args import server_security_from_args
+
     configure_logging(json=args.log_json, level=args.log_level)
+    try:  # before the model loads: a bad certificate or token file fails at once
+        security = server_security_from_args(args, "--internal-token-file")
+    except SecurityConfigError as exc:
+        print(f"llmserve worker: {exc}", file=sys.stderr)
+        return 2
     try:
-        return asyncio.run(_serve(args))
+        return asyncio.run(_serve(args, security))
     except (ValueError, OSError, RuntimeError) as exc:
         log.error("worker failed", error=str(exc))
         return 1
@@ -209,6 +221,10 @@ def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") 
     g.add_argument("--debug-step-delay", type=float, default=0.0, metavar="S", help=argparse.SUPPRESS)
     g.add_argument("--log-json", action="store_true", help="JSON log lines")
     g.add_argument("--log-level", choices=LOG_LEVELS, default="info")
+    add_server_args(p.add_argument_group("security (rank 0's SglangScheduler port)"), "--internal-token-file",
+                    "refuse Generate, Abort, HealthCheck, FlushCache, GetTokenizer ... without this file's "
+                    "token (the router's --internal-token-file); grpc.health.v1, GetModelInfo, GetServerInfo "
+                    "and GetLoads stay open")
     t = p.add_argument_group("tensor parallelism")
     t.add_argument("--tp", "--tp-size", dest="tp_size", type=int, default=1, metavar="N",
                    help="tensor-parallel ranks. Without --dist-init-addr, this process is rank 0 and starts "

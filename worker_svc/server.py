@@ -41,6 +41,7 @@ from smg_grpc_proto.generated import common_pb2
 
 from llmserve.grpc_listen import grpc_address, listen
 from llmserve.grpc_wire import InvalidRequest, tolerant
+from llmserve.security import HEALTH_METHODS, ServerSecurity
 from worker_svc import grpc_convert
 from worker_svc.calls import CallRegistry
 from worker_svc.engine import Engine
@@ -540,6 +541,11 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
 class WorkerServer:
     """The engine loop plus a grpc.aio server with the scheduler and health services."""
 
+    # With an internal token, every call needs it except the read-only probes a gateway makes to
+    # discover and watch a worker. Generate, Abort, FlushCache, GetTokenizer ... need it, and so
+    # does HealthCheck (it runs a generation on an idle worker); grpc.health.v1 stays open.
+    OPEN_METHODS = HEALTH_METHODS | {f"/{SERVICE_NAME}/{m}" for m in ("GetModelInfo", "GetServerInfo", "GetLoads")}
+
     def __init__(
         self,
         engine: Engine,
@@ -547,9 +553,12 @@ class WorkerServer:
         port: int = 0,
         options: WorkerOptions | None = None,
         engine_loop: EngineLoop | None = None,
+        security: ServerSecurity = ServerSecurity(),
     ) -> None:
         """``engine_loop``: a prebuilt loop over ``engine`` (a tensor-parallel leader's, with its
-        keepalive tick); by default a plain ``EngineLoop(engine)``."""
+        keepalive tick); by default a plain ``EngineLoop(engine)``. ``security``: TLS and the
+        internal token callers must present (llmserve/security.py)."""
+        self.security = security
         self.host = host
         self.requested_port = port
         self.port: int | None = None
@@ -572,12 +581,13 @@ class WorkerServer:
                 ("grpc.max_receive_message_length", 64 << 20),
                 ("grpc.max_send_message_length", 64 << 20),
                 ("grpc.so_reuseport", 0),
-            ]
+            ],
+            interceptors=self.security.interceptors(self.OPEN_METHODS, realm="worker"),
         )
         self.health = WorkerHealth(self.servicer.liveness)
         add_scheduler_servicer(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        self.port = listen(self.server, self.host, self.requested_port)
+        self.port = listen(self.server, self.host, self.requested_port, self.security.tls)
         health = self.health
 
         def on_engine_failure(exc: BaseException) -> None:
@@ -593,7 +603,9 @@ class WorkerServer:
         self.loop.start()
         await self.server.start()
         await health.set_all(_SERVING)
-        log.info("worker serving", address=self.address, service=SERVICE_NAME)
+        tls = self.security.tls
+        log.info("worker serving", address=self.address, service=SERVICE_NAME, tls=tls is not None,
+                 mtls=tls is not None and tls.mutual, internal_token=self.security.tokens is not None)
         return self.port
 
     async def stop(self, grace: float = 5.0) -> None:
