@@ -1,9 +1,10 @@
 """`llmserve` command line: one subcommand per module, each adding its own subparser."""
 
 import argparse
+import os
 from collections.abc import Callable, Sequence
 
-from llmserve import client_commands, router_command, serve_command
+from llmserve import client_commands, parent_death, router_command, serve_command
 from llmserve import protos_gen as gen_protos_command
 from llmserve import worker_command
 from llmserve.bench import one_batch as bench_one_batch_command
@@ -38,6 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # A child of `serve` or of a TP leader dies with it (the portable half of llmserve/parent_death.py).
+    parent_death.watch_parent(os.environ)
     args = build_parser().parse_args(argv)
     return int(args.func(args))
 
