@@ -14,7 +14,9 @@ Tensor parallelism (worker_svc/tp_worker.py):
 Rank 0 serves SglangScheduler + grpc.health.v1 on --port; ranks > 0 serve only grpc.health.v1 on
 their own --port (SERVING while their step loop runs) and never talk to a router. A dead or hung
 rank is detected within --tp-timeout seconds: the leader then reports NOT_SERVING (and fails
-in-flight requests with UNAVAILABLE) until signalled, and exits 1; followers exit 1.
+in-flight requests with UNAVAILABLE) for --tp-fault-exit-delay seconds and exits 1, so whatever
+supervises it restarts the group; followers exit 1. Followers that rank 0 started die with it.
+The ranks' heartbeat handshake proves a shared secret (--tp-secret-file with one process per rank).
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ async def _serve(args: argparse.Namespace, security: ServerSecurity) -> int:
 
     config = engine_config_from_args(args)
     size, rank, init_addr = _tp_layout(args)
+    tp_secret = _tp_secret(args, os.environ) if size > 1 else None
     if rank > 0:
         from worker_svc.tp_worker import serve_follower
 
@@ -81,23 +84,30 @@ async def _serve(args: argparse.Namespace, security: ServerSecurity) -> int:
 
         return await serve_follower(
             config, rank, size, init_addr, args.host, args.port, args.tp_timeout, args.tp_connect_timeout,
-            args.shutdown_grace, listening,
+            args.shutdown_grace, listening, tp_secret,
         )
 
     leader = None
     engine_loop = None
     if size > 1:
         from worker_svc.cli_args import engine_argv
+        from llmserve import parent_death
+        from worker_svc.tp_heartbeat import new_secret
         from worker_svc.tp_worker import TPLeader, spawn_follower_processes
 
         children = []
         if args.dist_init_addr is None:  # single-machine mode: this process starts the other ranks
             shared = engine_argv(args, include_model=True) + ["--log-level", args.log_level, "--tp-timeout", str(args.tp_timeout),
                                           "--shutdown-grace", str(args.shutdown_grace)]
-            children = spawn_follower_processes(size, init_addr, shared + (["--log-json"] if args.log_json else []))
+            tp_secret = tp_secret or new_secret()
+            # Spawned from this (the event loop's) thread, which lives as long as the process: the
+            # followers' parent-death signal fires when this process dies, not earlier.
+            children = spawn_follower_processes(
+                size, init_addr, shared + (["--log-json"] if args.log_json else []), tp_secret,
+                env={**os.environ, **parent_death.child_env()}, preexec_fn=parent_death.die_with_parent_preexec())
         try:
             leader = await asyncio.to_thread(
-                TPLeader.start, config, size, init_addr, args.tp_timeout, args.tp_connect_timeout, children
+                TPLeader.start, config, size, init_addr, args.tp_timeout, args.tp_connect_timeout, children, tp_secret
             )
         except BaseException:
             for child in children:
@@ -122,12 +132,59 @@ async def _serve(args: argparse.Namespace, security: ServerSecurity) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    if leader is not None:
+        watch = asyncio.ensure_future(_stop_when_group_breaks(leader, args.tp_fault_exit_delay, stop))
     await stop.wait()
-    log.info("signal received; shutting down")
+    if leader is not None:
+        watch.cancel()
+    log.info("shutting down", tp_group_failed=leader is not None and leader.failed)
     await server.stop(args.shutdown_grace)
     if leader is not None:
         return await asyncio.to_thread(leader.shutdown)
     return 0
+
+
+async def _stop_when_group_breaks(leader, delay_s: float, stop: asyncio.Event) -> None:
+    """A broken TP group never heals: after ``delay_s`` (health says NOT_SERVING meanwhile) stop, so
+    the process exits 1 and its supervisor restarts the group. ``inf``: wait for a signal instead."""
+    reason = await leader.wait_failed()
+    if delay_s == float("inf"):
+        log.error("tensor-parallel group broken; NOT_SERVING until signalled", reason=reason)
+        return
+    log.error("tensor-parallel group broken; exiting so the group is restarted", reason=reason, exit_in_s=delay_s)
+    await asyncio.sleep(delay_s)
+    stop.set()
+
+
+def _tp_secret(args: argparse.Namespace, environ) -> bytes | None:
+    """The group's heartbeat secret: --tp-secret-file, else the pipe a single-machine leader gave this
+    follower (its fd in the environment; the entry is removed once read), else None (tp_worker.py:
+    the leader makes one)."""
+    from worker_svc.tp_heartbeat import check_secret
+    from worker_svc.tp_worker import SECRET_FD_ENV
+
+    inherited = environ.pop(SECRET_FD_ENV, None)
+    if inherited is not None:
+        try:
+            with os.fdopen(int(inherited), "rb") as pipe:
+                return check_secret(pipe.read())
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"cannot read the tp group secret from the leader's pipe ({SECRET_FD_ENV}): {exc}") from None
+    if args.tp_secret_file:
+        try:
+            return check_secret(Path(args.tp_secret_file).read_bytes().strip())
+        except OSError as exc:
+            raise ValueError(f"--tp-secret-file: cannot read {args.tp_secret_file}: {exc.strerror}") from None
+        except ValueError as exc:
+            raise ValueError(f"--tp-secret-file: {exc}") from None
+    return None
+
+
+def _delay_seconds(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 seconds (or inf), got {text}")
+    return value
 
 
 def worker_options(args: argparse.Namespace) -> WorkerOptions:
@@ -237,5 +294,11 @@ def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") 
                    help="a dead or hung rank is detected within this many seconds (heartbeat and collective timeout)")
     t.add_argument("--tp-connect-timeout", type=float, default=300.0, metavar="S",
                    help="how long ranks wait for each other at start-up (rendezvous and model load)")
+    t.add_argument("--tp-fault-exit-delay", type=_delay_seconds, default=1.0, metavar="S",
+                   help="rank 0: once the group breaks (a rank died or hung), answer NOT_SERVING for S seconds, "
+                   "then exit 1 so a supervisor restarts the group (default 1; inf: stay up until signalled)")
+    t.add_argument("--tp-secret-file", default=None, metavar="PATH",
+                   help="one process per rank: a file (mode 0600) holding the group's heartbeat secret, the same "
+                   "for every rank (at least 16 bytes). --tp N without --dist-init-addr makes its own")
     p.set_defaults(func=run)
 

@@ -7,10 +7,15 @@ CUDA). The only global state is torch.distributed's own default group, which ``d
 Two timeouts: ``connect_timeout_s`` bounds the rendezvous and ``tp_barrier`` (ranks start and load
 their shards at different speeds), ``timeout_s`` bounds every collective afterwards, so a serving
 worker can keep it short (a dead or hung peer is an error within that bound, not a hang).
+
+The rendezvous store is torch's TCPStore, which has no authentication. torch's own master socket
+(libuv) listens on every interface whatever host it is given, so rank 0 binds the socket itself, to
+the init address's interface only (loopback for single-machine TP), and hands it to the store.
 """
 
 from __future__ import annotations
 
+import os
 import socket
 from datetime import timedelta
 
@@ -70,15 +75,57 @@ def init_tp(
         torch.cuda.set_device(dev)
         kwargs["device_id"] = dev
     connect = timedelta(seconds=connect_timeout_s or max(timeout_s, DEFAULT_CONNECT_TIMEOUT_S))
-    store = dist.TCPStore(
-        host.strip("[]"), int(port), world_size=size, is_master=rank == 0, timeout=connect, wait_for_workers=False
-    )
+    store = open_store(host, int(port), size, rank == 0, connect)
     # Every rank has arrived before the group (whose own timeout may be short) connects.
     _store_barrier(store, "join", rank, size, connect)
     dist.init_process_group(
         backend, store=store, rank=rank, world_size=size, timeout=timedelta(seconds=timeout_s), **kwargs
     )
     return TPContext(rank=rank, size=size, group=dist.group.WORLD, store=store)
+
+
+def bind_address(host: str, port: int) -> tuple[socket.AddressFamily, tuple]:
+    """(family, sockaddr) to bind for ``host`` (a literal or a name, e.g. a compose service resolving to
+    this container): that interface only, never the wildcard."""
+    host = host.strip("[]")
+    try:
+        family, _, _, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as exc:
+        raise ValueError(f"cannot resolve the tp init host {host!r}: {exc}") from exc
+    return family, sockaddr
+
+
+def bound_listener(host: str, port: int, backlog: int) -> socket.socket:
+    """A listening TCP socket on ``host``'s interface (port 0: any free port)."""
+    family, sockaddr = bind_address(host, port)
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(sockaddr)
+        sock.listen(backlog)
+    except OSError as exc:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port} for the tp rendezvous: {exc}") from exc
+    return sock
+
+
+def open_store(host: str, port: int, size: int, is_master: bool, timeout: timedelta) -> dist.TCPStore:
+    """The rendezvous TCPStore. The master listens on ``host``'s interface only: it binds the socket
+    here and passes it in (``master_listen_fd``), the store then owns and closes it."""
+    if not is_master:
+        return dist.TCPStore(host.strip("[]"), port, world_size=size, is_master=False, timeout=timeout)
+    sock = bound_listener(host, port, max(16, 2 * size))
+    port = sock.getsockname()[1]
+    fd = sock.detach()
+    try:
+        return dist.TCPStore(host.strip("[]"), port, world_size=size, is_master=True, timeout=timeout,
+                             wait_for_workers=False, master_listen_fd=fd)
+    except BaseException:
+        try:
+            os.close(fd)
+        except OSError:  # the store took it and closed it already
+            pass
+        raise
 
 
 def _store_barrier(store, name: str, rank: int, size: int, timeout: timedelta) -> None:

@@ -8,11 +8,22 @@ sends a keepalive header every ``timeout_s / 3`` so idle followers never hit it.
 Faults: a follower that dies is seen at once (EOF on its heartbeat socket, or the gloo error in the
 current collective), one that hangs within ``timeout_s`` (missing heartbeats; the collective timeout
 is the backstop). The leader then fails its EngineLoop (in-flight calls end UNAVAILABLE, both health
-services say NOT_SERVING, new calls get UNAVAILABLE), tells the other followers to abort, and stays up
-answering health as NOT_SERVING until it is signalled; it then exits 1 so a launcher knows the group
-broke. A follower whose leader dies or hangs exits 1 within ``timeout_s`` (``os._exit``: its main
-thread may sit in a collective). Clean shutdown (SIGTERM to the leader): drain, STOP to the
-followers, goodbye on the heartbeat, every rank exits 0.
+services say NOT_SERVING, new calls get UNAVAILABLE) and tells the other followers to abort. A broken
+group cannot heal (the ranks are out of step), so the leader does not linger as a zombie: after
+``fault_exit_delay_s`` (``--tp-fault-exit-delay``; the router sees NOT_SERVING meanwhile) it shuts
+down and exits 1, and whatever supervises it (``llmserve serve``, a compose restart policy, a
+Kubernetes pod) restarts the whole group on the same port. ``inf`` keeps the old behaviour: stay up
+NOT_SERVING until signalled, then exit 1 (for a watchdog that acts on health). A follower whose
+leader dies or hangs exits 1 within ``timeout_s`` (``os._exit``: its main thread may sit in a
+collective); followers the leader started itself are also killed by the kernel when the leader dies
+(parent-death signal, set by the launcher). Clean shutdown (SIGTERM to the leader): drain, STOP to
+the followers, goodbye on the heartbeat, every rank exits 0.
+
+Group secret: the heartbeat handshake proves that a peer holds the group's secret (tp_heartbeat.py).
+In single-machine mode the leader makes a random one and hands it to the followers it starts
+through an inherited pipe (not argv, not the environment: neither ``ps`` nor /proc shows it). With one process per rank every rank
+reads it from ``--tp-secret-file``; without one the leader makes it and publishes it through the
+rendezvous store, which only keeps out peers that cannot reach the store (a warning says so).
 """
 
 from __future__ import annotations
@@ -24,7 +35,7 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import structlog
@@ -34,12 +45,16 @@ from worker_svc.engine_config import EngineConfig
 from worker_svc.engine_loop import EngineLoop
 from worker_svc.step_broadcast import TPGroupFailed
 from worker_svc.tp import TPContext
-from worker_svc.tp_heartbeat import FollowerHeartbeat, LeaderHeartbeat
+from worker_svc.tp_heartbeat import FollowerHeartbeat, LeaderHeartbeat, new_secret
 
 log = structlog.get_logger(__name__)
 
 DEFAULT_TP_TIMEOUT_S = 15.0
 DEFAULT_CONNECT_TIMEOUT_S = 300.0
+SECRET_KEY = "llmserve/heartbeat-secret"
+# A single-machine leader hands each follower the secret through an inherited pipe; only the pipe's
+# fd number is in the follower's environment (argv and /proc/PID/environ never hold the secret).
+SECRET_FD_ENV = "LLMSERVE_TP_SECRET_FD"
 
 
 def _rank_config(config: EngineConfig, rank: int) -> EngineConfig:
@@ -78,9 +93,11 @@ class TPLeader:
         timeout_s: float = DEFAULT_TP_TIMEOUT_S,
         connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
         children: Sequence[subprocess.Popen] = (),
+        secret: bytes | None = None,
     ) -> "TPLeader":
         """Join as rank 0, load the shard, wait until every follower loaded and opened its heartbeat.
-        ``children`` are follower processes this leader started (waited for at shutdown)."""
+        ``children`` are follower processes this leader started (waited for at shutdown). ``secret``:
+        the group's heartbeat secret; ``None`` makes one and publishes it in the rendezvous store."""
         from worker_svc.runner import ModelRunner
         from worker_svc.step_broadcast import LeaderRunner
         from worker_svc.tp_group import init_tp, tp_barrier
@@ -93,7 +110,12 @@ class TPLeader:
             if holder:
                 holder[0]._on_fault(reason)
 
-        heartbeat = LeaderHeartbeat(tp, _host_of(init_addr), timeout_s, on_fault)
+        if secret is None:
+            log.warning("no --tp-secret-file: the heartbeat secret goes through the rendezvous store, so "
+                        "anyone who can reach the store can join the group")
+            secret = new_secret()
+            tp.store.set(SECRET_KEY, secret)
+        heartbeat = LeaderHeartbeat(tp, _host_of(init_addr), timeout_s, on_fault, secret)
         try:
             config = _rank_config(config, 0)
             runner = LeaderRunner(ModelRunner(config, tp), tp)
@@ -129,6 +151,12 @@ class TPLeader:
     def failed(self) -> bool:
         return self.fault is not None or (self.loop is not None and self.loop.error is not None)
 
+    async def wait_failed(self, poll_s: float = 0.1) -> str:
+        """Returns why, once the group has broken (a peer died or hung, or a step failed on a rank)."""
+        while not self.failed:
+            await asyncio.sleep(poll_s)
+        return self.fault or repr(self.loop.error if self.loop is not None else None)
+
     def shutdown(self, join_timeout_s: float = 30.0) -> int:
         """After the server stopped: STOP the followers (when the group is intact), close the heartbeat,
         wait for child processes. Returns the exit code: 0 clean, 1 when the group had failed."""
@@ -138,6 +166,7 @@ class TPLeader:
         clean = not self.failed and (loop is None or not loop.thread_alive)
         if clean:
             try:
+                self.heartbeat.stopping()
                 self.engine.runner.stop_followers()
             except Exception as exc:  # noqa: BLE001 - a peer died during shutdown
                 log.error("could not stop the tp followers", error=repr(exc))
@@ -160,18 +189,40 @@ class TPLeader:
 
 
 def spawn_follower_processes(
-    size: int, init_addr: str, base_argv: Sequence[str], host: str = "127.0.0.1", env: dict | None = None
+    size: int,
+    init_addr: str,
+    base_argv: Sequence[str],
+    secret: bytes,
+    host: str = "127.0.0.1",
+    env: dict[str, str] | None = None,
+    preexec_fn: Callable[[], None] | None = None,
 ) -> list[subprocess.Popen]:
     """Single-machine mode: start ranks 1..size-1 as ``llmserve worker`` child processes (health on an
-    OS-chosen port). ``base_argv`` is the engine and logging flags every rank shares."""
+    OS-chosen port). ``base_argv`` is the engine and logging flags every rank shares; ``secret`` goes
+    through a pipe each child inherits (SECRET_FD_ENV names its fd), never argv or the environment.
+    ``env``/``preexec_fn``: the launcher's (e.g. a parent-death signal, so no follower outlives this
+    process)."""
     children = []
-    for rank in range(1, size):
-        cmd = [
-            sys.executable, "-m", "llmserve.cli", "worker", *base_argv,
-            "--tp-size", str(size), "--tp-rank", str(rank), "--dist-init-addr", init_addr,
-            "--host", host, "--port", "0",
-        ]
-        children.append(subprocess.Popen(cmd, env=env))
+    try:
+        for rank in range(1, size):
+            cmd = [
+                sys.executable, "-m", "llmserve.cli", "worker", *base_argv,
+                "--tp-size", str(size), "--tp-rank", str(rank), "--dist-init-addr", init_addr,
+                "--host", host, "--port", "0",
+            ]
+            read_end, write_end = os.pipe()
+            try:
+                os.write(write_end, secret)  # 32 bytes: far below the pipe's buffer, never blocks
+                os.close(write_end)
+                child_env = {**(os.environ if env is None else env), SECRET_FD_ENV: str(read_end)}
+                children.append(subprocess.Popen(cmd, env=child_env, pass_fds=(read_end,), preexec_fn=preexec_fn))
+            finally:
+                os.close(read_end)
+    except BaseException:
+        for child in children:
+            child.kill()
+            child.wait()
+        raise
     log.info("tp followers started", pids=[c.pid for c in children], init_addr=init_addr)
     return children
 
@@ -197,10 +248,12 @@ async def serve_follower(
     connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
     shutdown_grace_s: float = 5.0,
     on_listening=None,
+    secret: bytes | None = None,
 ) -> int:
     """Rank ``rank`` > 0: replay the leader's steps until STOP, serving grpc.health.v1 on
     ``host:port`` (SERVING while the loop runs). Returns 0 after STOP; exits the process (code 1)
-    when the leader dies or hangs. ``on_listening(port)`` runs once health is served."""
+    when the leader dies or hangs. ``on_listening(port)`` runs once health is served. ``secret``:
+    the group's heartbeat secret (``None``: read the one the leader published in the store)."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -211,7 +264,9 @@ async def serve_follower(
     from worker_svc.tp_group import destroy_tp, init_tp, tp_barrier
 
     tp = await asyncio.to_thread(init_tp, rank, size, init_addr, config.device, timeout_s, connect_timeout_s)
-    heartbeat = FollowerHeartbeat(tp, timeout_s, _die)
+    if secret is None:
+        secret = await asyncio.to_thread(tp.store.get, SECRET_KEY)
+    heartbeat = FollowerHeartbeat(tp, timeout_s, _die, secret)
     runner = await asyncio.to_thread(ModelRunner, _rank_config(config, rank), tp)
     await asyncio.to_thread(heartbeat.connect, connect_timeout_s)
     await asyncio.to_thread(tp_barrier, tp, "loaded", connect_timeout_s)

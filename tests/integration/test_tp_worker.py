@@ -216,7 +216,9 @@ def _generate_in_background(address: str, prompt: list[int], max_new: int):
 @pytest.mark.parametrize("fault", ["kill", "hang"])
 def test_follower_fault_fails_in_flight_request_and_health(tp_ranks, fault):
     # 50 ms per step: 200 tokens keep the request in flight for ~10 s.
-    leader, follower = tp_ranks("--debug-step-delay", "0.05", tp_timeout=FAULT_TIMEOUT_S)
+    # --tp-fault-exit-delay inf: the leader stays up NOT_SERVING (checked below) instead of exiting.
+    leader, follower = tp_ranks("--debug-step-delay", "0.05", "--tp-fault-exit-delay", "inf",
+                                tp_timeout=FAULT_TIMEOUT_S)
     first, result, thread = _generate_in_background(leader.address, [5, 6, 7, 8], 200)
     assert first.wait(60)
     assert "code" not in result  # still generating
