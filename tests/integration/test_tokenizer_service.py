@@ -232,3 +232,17 @@ def test_cli_serves_logs_json_and_exits_zero_on_sigterm(tiny_dir: Path, tmp_path
     assert rejected["request_id"] == "req-42" and rejected["rpc"] == "Decode"
     assert rejected["level"] == "info" and "timestamp" in rejected
     assert "tokenizer service stopping" in events
+
+
+def test_messages_over_grpcs_default_4_mib_are_accepted(channel: grpc.Channel, tiny_dir: Path) -> None:
+    """F8: the service kept grpc's 4 MiB receive limit while the router accepts 64 MiB, so a 5 MiB
+    prompt came back as a retryable UNAVAILABLE from the router."""
+    server = _ServerThread(tiny_dir)
+    try:
+        big = [300] * (5 << 19)  # 2.6M ids of two varint bytes each: a 5 MiB request
+        with grpc.insecure_channel(f"127.0.0.1:{server.port}",
+                                   options=[("grpc.max_receive_message_length", 64 << 20)]) as ch:
+            resp = pb_grpc.TokenizerStub(ch).Decode(pb.DecodeRequest(token_ids=big), timeout=60)
+        assert len(resp.text) >= len(big)
+    finally:
+        server.close()
