@@ -7,30 +7,36 @@ Starts the tokenizer service and M workers (each on an ephemeral port it reports
 --port-file), waits until every one answers grpc.health.v1 SERVING, then starts the router in front
 of them and waits for it too. Prints the router's address and an example client command, and keeps
 serving until SIGINT/SIGTERM: then the router stops first (in-flight requests may finish for
---shutdown-grace seconds, the rest are aborted), then the workers and the tokenizer; exit 0. If
-any child dies, the others are stopped and the command exits 1 with the last lines of that child's
-log. Children run in their own session, so a terminal's Ctrl-C reaches only this process, which
-then shuts them down in order. Their logs go to --log-dir (default: a new temporary folder).
+--shutdown-grace seconds, the rest are aborted), then the workers and the tokenizer; exit 0.
+
+Supervision (llmserve/supervisor.py): a child that dies while the cluster serves is restarted on the
+port it had, after --restart-backoff seconds doubling per recent restart, while the others keep
+serving (the router routes around a dead worker group and probes it back). A TP group whose
+follower died is restarted too: its rank 0 exits 1 once the group breaks (--tp-fault-exit-delay of
+`llmserve worker`), and its followers die with it. A child needing more than --max-restarts
+restarts within --restart-window seconds stops the cluster, and the command exits 1 with the last
+lines of that child's log (--max-restarts 0: the first death does). A child failing during start-up
+stops the cluster at once. No child outlives this process, even after kill -9 (parent-death signal
+plus a parent watch); their pids are in LOG_DIR/pids.json. Children run in their own session, so a
+terminal's Ctrl-C reaches only this process, which then shuts them down in order. Their logs go to
+--log-dir (default: a new temporary folder).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from llmserve.router_command import DEFAULT_ROUTER_PORT, POLICIES
+from llmserve.security_args import ServeSecurity, add_serve_args
+from llmserve.supervisor import Child, ChildFailed, RestartPolicy, Supervisor
 from worker_svc.cli_args import add_engine_args, engine_argv
-
-TAIL_LINES = 25
 
 
 def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
@@ -56,6 +62,17 @@ def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") 
                    help="seconds in-flight requests may run on after SIGINT/SIGTERM (default 5)")
     g.add_argument("--probe-interval", type=float, default=1.0, metavar="S",
                    help="the router's worker probe interval (default 1)")
+    r = p.add_argument_group("supervision")
+    r.add_argument("--restart-backoff", type=_seconds, default=1.0, metavar="S",
+                   help="a dead child is restarted after S seconds, doubling with each recent restart (default 1)")
+    r.add_argument("--restart-backoff-max", type=_seconds, default=30.0, metavar="S",
+                   help="the longest wait before a restart (default 30)")
+    r.add_argument("--max-restarts", type=_count, default=5, metavar="N",
+                   help="a child needing more than N restarts within --restart-window stops the cluster "
+                   "(default 5; 0: any child's death stops the cluster)")
+    r.add_argument("--restart-window", type=_positive, default=300.0, metavar="S",
+                   help="the sliding window --max-restarts counts in (default 300)")
+    add_serve_args(p.add_argument_group("security (docs/security.md)"))
     d = p.add_argument_group("demo")
     demo = d.add_mutually_exclusive_group()
     demo.add_argument("--demo-prompt", default=None, metavar="TEXT",
@@ -67,89 +84,32 @@ def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") 
     p.set_defaults(func=run)
 
 
-class ChildFailed(Exception):
-    def __init__(self, child: Child, what: str):
-        super().__init__(what)
-        self.child = child
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text}")
+    return value
 
 
-@dataclass
-class Child:
-    name: str
-    cmd: list[str]
-    log_path: Path
-    port_file: Path
-    env: dict[str, str] = field(default_factory=dict)
-    proc: subprocess.Popen | None = None
-    port: int | None = None
-
-    def start(self) -> None:
-        self.port_file.unlink(missing_ok=True)
-        with open(self.log_path, "ab") as log:
-            # Own session: a terminal's Ctrl-C goes to `serve` alone, which stops children in order.
-            self.proc = subprocess.Popen(self.cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                         env={**os.environ, **self.env}, start_new_session=True)
-
-    @property
-    def address_port(self) -> int:
-        assert self.port is not None
-        return self.port
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def tail(self, n: int = TAIL_LINES) -> str:
-        try:
-            lines = self.log_path.read_text(errors="replace").splitlines()
-        except OSError:
-            return "(no log)"
-        return "\n".join("    " + line for line in lines[-n:]) or "    (empty log)"
-
-    def check(self, when: str) -> None:
-        if self.proc is not None and self.proc.poll() is not None:
-            raise ChildFailed(self, f"{self.name} exited with code {self.proc.returncode} {when}")
-
-    def signal(self, sig: int) -> None:
-        if self.alive():
-            try:
-                self.proc.send_signal(sig)
-            except ProcessLookupError:
-                pass
+def _positive(text: str) -> float:
+    value = _seconds(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
 
 
-def _wait_port(child: Child, deadline: float, stop: threading.Event) -> None:
-    while not child.port_file.exists():
-        child.check("during startup")
-        if time.monotonic() > deadline:
-            raise ChildFailed(child, f"{child.name} did not report its port in time")
-        if stop.wait(0.05):
-            return
-    child.port = int(child.port_file.read_text().strip())
+def _count(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
 
 
-def _wait_healthy(children: list[Child], host: str, deadline: float, stop: threading.Event) -> None:
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
+def _health_channel(security: ServeSecurity):
+    """address -> a channel to a child's grpc.health.v1 (TLS and the internal token when configured)."""
+    from llmserve.security import ChannelSecurity
 
-    for child in children:
-        _wait_port(child, deadline, stop)
-        if stop.is_set():
-            return
-    for child in children:
-        with grpc.insecure_channel(_join(_connect_host(host), child.address_port)) as channel:
-            stub = health_pb2_grpc.HealthStub(channel)
-            while True:
-                child.check("during startup")
-                try:
-                    resp = stub.Check(health_pb2.HealthCheckRequest(), timeout=2.0)
-                    if resp.status == health_pb2.HealthCheckResponse.SERVING:
-                        break
-                except grpc.RpcError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise ChildFailed(child, f"{child.name} did not become healthy in time")
-                if stop.wait(0.1):
-                    return
+    return (security.client or ChannelSecurity()).channel
 
 
 def _connect_host(host: str) -> str:
@@ -161,30 +121,7 @@ def _join(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
 
-def _stop_children(groups: list[list[Child]], grace: float) -> None:
-    """SIGTERM group by group (router first), waiting for each group; SIGKILL what does not exit."""
-    for group in groups:
-        for child in group:
-            child.signal(signal.SIGTERM)
-        deadline = time.monotonic() + grace + 15.0
-        for child in group:
-            if child.proc is None:
-                continue
-            try:
-                child.proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                print(f"llmserve serve: {child.name} did not stop; killing it", file=sys.stderr)
-                child.proc.kill()
-                child.proc.wait(10)
-
-
-def _report_failure(exc: ChildFailed) -> None:
-    child = exc.child
-    print(f"llmserve serve: {exc}; last lines of its log ({child.log_path}):\n{child.tail()}",
-          file=sys.stderr, flush=True)
-
-
-def _demo(router: str, args: argparse.Namespace) -> bool:
+def _demo(router: str, args: argparse.Namespace, security: ServeSecurity = ServeSecurity()) -> bool:
     import grpc
 
     from router.client import RouterClient
@@ -195,7 +132,9 @@ def _demo(router: str, args: argparse.Namespace) -> bool:
     else:
         print(f"llmserve serve: demo: {args.demo_prompt!r} ->", flush=True)
     try:
-        with RouterClient(router) as client:
+        client_security = security.client
+        with RouterClient(router, tls=client_security and client_security.tls,
+                          token=client_security and client_security.token) as client:
             if args.demo_chat is not None:
                 stream = client.chat([("user", args.demo_chat)], **sampling)
             else:
@@ -226,21 +165,35 @@ def run(args: argparse.Namespace) -> int:
         if not (model / name).is_file():
             print(f"llmserve serve: {model / name} not found", file=sys.stderr)
             return 2
+    from llmserve.security import SecurityConfigError
+    from llmserve.security_args import serve_security_from_args
+
+    try:  # every certificate and token file checked before any child starts
+        security = serve_security_from_args(args)
+    except SecurityConfigError as exc:
+        print(f"llmserve serve: {exc}", file=sys.stderr)
+        return 2
     log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="llmserve-serve-"))
     log_dir.mkdir(parents=True, exist_ok=True)
 
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        return _run_cluster(args, model, log_dir, stop)
+        return _run_cluster(args, model, log_dir, stop, security)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 
 
-def _run_cluster(args: argparse.Namespace, model: Path, log_dir: Path, stop: threading.Event) -> int:
+def _run_cluster(args: argparse.Namespace, model: Path, log_dir: Path, stop: threading.Event,
+                 security: ServeSecurity = ServeSecurity()) -> int:
+    from llmserve.security import write_new_token
+
     py = [sys.executable, "-m", "llmserve.cli"]
     common = ["--log-level", args.log_level] + (["--log-json"] if args.log_json else [])
+    # With client auth on, the backends take only the router's internal token, so a client cannot
+    # step around the router's auth by calling a worker's port.
+    internal_token = write_new_token(log_dir / "internal.token") if security.auth_token_file else None
     base_env = {"PYTHONUNBUFFERED": "1"}
     worker_env = dict(base_env)
     if "OMP_NUM_THREADS" not in os.environ and args.device == "cpu":
@@ -249,43 +202,48 @@ def _run_cluster(args: argparse.Namespace, model: Path, log_dir: Path, stop: thr
     served = args.served_model_name or model.name
 
     tokenizer = Child("tokenizer", py + ["tokenizer", "--model", str(model), "--host", args.host, "--port", "0",
-                                         "--port-file", str(log_dir / "tokenizer.port"), *common],
+                                         "--port-file", str(log_dir / "tokenizer.port"),
+                                         *security.backend_argv(internal_token), *common],
                       log_dir / "tokenizer.log", log_dir / "tokenizer.port", base_env)
     workers = [
         Child(f"worker {i}", py + ["worker", "--model", str(model), "--host", args.host, "--port", "0",
                                    "--port-file", str(log_dir / f"worker{i}.port"), "--served-model-name", served,
-                                   *(["--tp", str(args.tp)] if args.tp > 1 else []), *engine_argv(args), *common],
+                                   *(["--tp", str(args.tp)] if args.tp > 1 else []), *engine_argv(args),
+                                   *security.backend_argv(internal_token), *common],
               log_dir / f"worker{i}.log", log_dir / f"worker{i}.port", worker_env)
         for i in range(args.dp)
     ]
     backends = [tokenizer, *workers]
-    started: list[Child] = []
     router: Child | None = None
     t0 = time.monotonic()
-    deadline = t0 + args.startup_timeout
     connect = _connect_host(args.host)
+    policy = RestartPolicy(backoff_s=args.restart_backoff, max_backoff_s=max(args.restart_backoff,
+                           args.restart_backoff_max), max_restarts=args.max_restarts, window_s=args.restart_window)
+    supervisor = Supervisor(policy, connect, _health_channel(security), args.startup_timeout, log_dir / "pids.json")
+
+    def stop_all(grace: float, but: Child | None = None) -> None:
+        started = [c for c in supervisor.children if c is not but]
+        supervisor.stop([[c for c in started if c is router], [c for c in started if c is not router]], grace)
+
     print(f"llmserve serve: starting the tokenizer service and {args.dp} worker group(s) for {model} "
           f"(logs in {log_dir})", flush=True)
     try:
         for child in backends:
-            child.start()
-            started.append(child)
-        _wait_healthy(backends, args.host, deadline, stop)
+            supervisor.start(child)
+        supervisor.wait_ready(backends, stop)
         if not stop.is_set():
             router = Child("router", py + [
                 "router", "--tokenizer", _join(connect, tokenizer.address_port),
                 "--workers", ",".join(_join(connect, w.address_port) for w in workers),
                 "--host", args.host, "--port", str(args.port), "--port-file", str(log_dir / "router.port"),
                 "--policy", args.policy, "--served-model-name", served, "--probe-interval", str(args.probe_interval),
-                "--shutdown-grace", str(args.shutdown_grace), *common],
+                "--shutdown-grace", str(args.shutdown_grace), *security.router_argv(internal_token), *common],
                 log_dir / "router.log", log_dir / "router.port", base_env)
-            router.start()
-            started.append(router)
-            _wait_healthy([router], args.host, deadline, stop)
+            supervisor.start(router)
+            supervisor.wait_ready([router], stop)
         if stop.is_set():
             print("llmserve serve: interrupted during startup; stopping", flush=True)
-            _stop_children([[c for c in started if c is router], [c for c in started if c is not router]],
-                           args.shutdown_grace)
+            stop_all(args.shutdown_grace)
             return 0
 
         assert router is not None
@@ -296,29 +254,34 @@ def _run_cluster(args: argparse.Namespace, model: Path, log_dir: Path, stop: thr
             print(f"  worker {i}   {_join(connect, w.address_port)}  (sglang.grpc.scheduler.SglangScheduler; "
                   f"pid {w.proc.pid})")
         print(f"  tokenizer  {_join(connect, tokenizer.address_port)}  (llmserve.v1.Tokenizer; pid {tokenizer.proc.pid})")
-        print(f"  try:  llmserve generate --router {address} \"Once upon a time\" --max-new-tokens 32")
-        print(f"        llmserve chat --router {address}")
+        flags = "".join(f" {a}" for a in security.client_argv())
+        print(f"  try:  llmserve generate --router {address}{flags} \"Once upon a time\" --max-new-tokens 32")
+        print(f"        llmserve chat --router {address}{flags}")
         print(f"llmserve serve: router listening on {address}", flush=True)
 
         if args.demo_prompt is not None or args.demo_chat is not None:
-            ok = _demo(address, args)
+            ok = _demo(address, args, security)
             if args.exit_after_demo:
-                _stop_children([[router], backends], args.shutdown_grace)
+                stop_all(args.shutdown_grace)
                 return 0 if ok else 1
         print("llmserve serve: serving; Ctrl-C or SIGTERM stops the cluster", flush=True)
         while not stop.wait(0.2):
-            for child in started:
-                child.check("unexpectedly")
+            failure = supervisor.poll()  # restarts the dead; a failure here has used up its restarts
+            if failure is not None:
+                print(f"llmserve serve: stopping the cluster: {failure}", file=sys.stderr, flush=True)
+                stop_all(args.shutdown_grace, but=failure.child)
+                return 1
         print("llmserve serve: stopping", flush=True)
-        _stop_children([[router], backends], args.shutdown_grace)
+        stop_all(args.shutdown_grace)
         print("llmserve serve: stopped", flush=True)
         return 0
-    except ChildFailed as exc:
-        _report_failure(exc)
-        others = [c for c in started if c is not exc.child]
-        _stop_children([[c for c in others if c is router], [c for c in others if c is not router]],
-                       args.shutdown_grace)
+    except ChildFailed as exc:  # during start-up: fail fast
+        child = exc.child
+        print(f"llmserve serve: {exc}; last lines of its log ({child.log_path}):\n{child.tail()}",
+              file=sys.stderr, flush=True)
+        stop_all(args.shutdown_grace, but=child)
+        child.kill()
         return 1
     except BaseException:
-        _stop_children([[c for c in started if c is router], [c for c in started if c is not router]], 0.0)
+        stop_all(0.0)
         raise

@@ -153,7 +153,7 @@ def test_serve_real_model_chat_answers_and_stops_at_im_end(serve, real_model) ->
 
 
 def test_serve_exits_nonzero_when_a_child_dies(serve) -> None:
-    s = serve()
+    s = serve("--max-restarts", "0")  # no restarts: the first death stops the cluster (test_supervision.py)
     s.wait_line("serving; Ctrl-C or SIGTERM stops the cluster")
     pids = s.pids()
     os.kill(pids["worker 0"], signal.SIGKILL)
