@@ -33,7 +33,7 @@ import threading
 import time
 from pathlib import Path
 
-from llmserve.router_command import DEFAULT_ROUTER_PORT, POLICIES
+from llmserve.router_command import DEFAULT_ROUTER_PORT, POLICIES, add_limit_args, limit_argv
 from llmserve.security_args import ServeSecurity, add_serve_args
 from llmserve.supervisor import Child, ChildFailed, RestartPolicy, Supervisor
 from worker_svc.cli_args import add_engine_args, engine_argv
@@ -52,6 +52,7 @@ def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") 
     g.add_argument("--port", type=int, default=DEFAULT_ROUTER_PORT,
                    help=f"the router's port (default {DEFAULT_ROUTER_PORT}; 0: any free port)")
     g.add_argument("--policy", choices=POLICIES, default="least_load", help="the router's routing policy")
+    add_limit_args(p)
     g.add_argument("--served-model-name", default=None, help="model name clients may send (default: folder name)")
     g.add_argument("--log-dir", default=None, help="children's log files (default: a new temporary folder)")
     g.add_argument("--log-json", action="store_true", help="children log JSON lines")
@@ -237,7 +238,8 @@ def _run_cluster(args: argparse.Namespace, model: Path, log_dir: Path, stop: thr
                 "--workers", ",".join(_join(connect, w.address_port) for w in workers),
                 "--host", args.host, "--port", str(args.port), "--port-file", str(log_dir / "router.port"),
                 "--policy", args.policy, "--served-model-name", served, "--probe-interval", str(args.probe_interval),
-                "--shutdown-grace", str(args.shutdown_grace), *security.router_argv(internal_token), *common],
+                "--shutdown-grace", str(args.shutdown_grace), *limit_argv(args), *security.router_argv(internal_token),
+                *common],
                 log_dir / "router.log", log_dir / "router.port", base_env)
             supervisor.start(router)
             supervisor.wait_ready([router], stop)
