@@ -32,6 +32,7 @@ from smg_grpc_proto import sglang_scheduler_pb2 as spb
 from smg_grpc_proto import sglang_scheduler_pb2_grpc as spb_grpc
 
 from llmserve.logging import get_logger
+from llmserve.message_limits import message_size_options
 from llmserve.security import ChannelSecurity
 from llmserve.v1 import router_pb2 as pb
 
@@ -43,8 +44,7 @@ NOT_SERVING = pb.WORKER_HEALTH_NOT_SERVING
 UNKNOWN = pb.WORKER_HEALTH_UNKNOWN
 
 CHANNEL_OPTIONS = [
-    ("grpc.max_receive_message_length", 64 << 20),
-    ("grpc.max_send_message_length", 64 << 20),
+    *message_size_options(),
     # Reconnect quickly after a worker restarts (defaults back off up to 120 s).
     ("grpc.initial_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 2000),
@@ -234,7 +234,11 @@ class WorkerPool:
             # Before the first probe round finished, groups are UNKNOWN: better to try them than refuse.
             candidates = [g for g in self.groups if g.health == UNKNOWN and g.index not in exclude]
         if not candidates:
-            states = ", ".join(f"group {g.index} ({g.address}): {g.reason}" for g in self.groups)
+            # The client is told each group's state; the reasons (which name internal addresses)
+            # go to the log only.
+            log.warning("no healthy worker group", groups={g.index: f"{g.address}: {g.reason}" for g in self.groups})
+            states = ", ".join(f"group {g.index}: {pb.WorkerHealth.Name(g.health).removeprefix('WORKER_HEALTH_').lower()}"
+                               for g in self.groups)
             raise NoHealthyGroup(f"no healthy worker group ({states})")
         policy = self.options.policy
         if policy == "round_robin" or len(candidates) == 1:

@@ -268,3 +268,15 @@ def test_prompt_text_is_not_sent_to_workers(tok_dir: Path, tok: ModelTokenizer) 
             assert list(worker.requests[0].tokenized.input_ids)
 
     _run(scenario)
+
+
+def test_unavailable_messages_do_not_name_internal_addresses(tok_dir: Path, tok: ModelTokenizer) -> None:
+    """F15: UNAVAILABLE listed every group's host:port to any client."""
+
+    async def scenario() -> None:
+        async with fake_cluster(tok_dir, [FakeWorker([_script(tok)], fail="first")]) as (client, _):
+            code, details, _ = await _status(client.stub.Generate(generate_request("hi", max_new_tokens=2), timeout=10))
+            assert code == grpc.StatusCode.UNAVAILABLE and "no healthy worker group" in details
+            assert "127.0.0.1" not in details and "ipv4" not in details, details
+
+    _run(scenario)
