@@ -64,6 +64,7 @@ async def _one(client: AsyncRouterClient, rng: random.Random, counts: dict[str, 
             errors.append(f"{kind}: {exc.code().name}: {exc.details()}")
 
 
+@pytest.mark.timeout(60 * float(os.environ.get("LLMSERVE_SOAK_MINUTES", "30")) + 600)
 def test_soak(serve) -> None:  # noqa: F811
     minutes = float(os.environ.get("LLMSERVE_SOAK_MINUTES", "30"))
     s = serve("--dp", "2")
