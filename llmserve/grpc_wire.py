@@ -6,10 +6,8 @@ the call fail with UNKNOWN ("Unexpected <class 'DecodeError'>") - the client is 
 broke, not that it sent bad bytes. Other languages' clients (Go, C++ with raw bytes, hand-built
 frames) can send such messages, so a server registers its methods with `tolerant()` deserializers:
 a message that does not parse becomes an `InvalidRequest` value, which the servicer answers with
-INVALID_ARGUMENT naming the offending field (found by walking the wire format).
-
-The same scheme as router/wire.py, shared here (beside grpc_listen) so that the worker does not
-import the router; router/wire.py can become a re-export of this module.
+INVALID_ARGUMENT naming the offending field (found by walking the wire format). Used by the router
+and the worker.
 """
 
 from __future__ import annotations

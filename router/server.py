@@ -52,7 +52,7 @@ from router.limits import (RequestLimits, check_messages, check_sampling_limits,
 from router.stops import StopStringMatcher
 from router.validation import (ModelFacts, RouterError, check_fits, invalid, validate_model, validate_sampling,
                                validate_token_ids)
-from router.wire import InvalidRequest, tolerant
+from llmserve.grpc_wire import InvalidRequest, tolerant
 from router.workers import CHANNEL_OPTIONS, NoHealthyGroup, PoolOptions, WorkerGroup, WorkerPool
 
 log = get_logger(__name__)
@@ -402,7 +402,7 @@ def _metadata_value(context: grpc.aio.ServicerContext, key: str) -> str:
 
 
 class RouterServicer:
-    """Implements llmserve.v1.Router (registered through `handlers()`, see router/wire.py)."""
+    """Implements llmserve.v1.Router (registered through `handlers()`, see llmserve/grpc_wire.py)."""
 
     def __init__(self, options: RouterOptions, health_servicer: health.aio.HealthServicer | None = None):
         self.options = options
@@ -787,7 +787,7 @@ class RouterServicer:
 
     def handlers(self) -> dict[str, grpc.RpcMethodHandler]:
         """Method handlers whose deserializers turn unparseable requests (e.g. invalid UTF-8 in a
-        string field) into INVALID_ARGUMENT instead of grpcio's UNKNOWN (router/wire.py)."""
+        string field) into INVALID_ARGUMENT instead of grpcio's UNKNOWN (llmserve/grpc_wire.py)."""
         def stream(fn, req, resp):
             return grpc.unary_stream_rpc_method_handler(fn, request_deserializer=tolerant(req),
                                                         response_serializer=resp.SerializeToString)

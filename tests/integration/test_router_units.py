@@ -23,7 +23,7 @@ from router.client import AsyncRouterClient
 from router.server import RouterOptions, start_router
 from router.stops import StopStringMatcher
 from router.validation import ModelFacts, RouterError, check_fits, validate_sampling
-from router.wire import InvalidRequest, find_invalid_utf8, tolerant
+from llmserve.grpc_wire import InvalidRequest, find_invalid_utf8, tolerant
 from router.workers import NOT_SERVING, SERVING, PoolOptions, WorkerPool
 from tokenizer_svc.server import start_server as start_tokenizer
 from tokenizer_svc.tokenizer import ModelTokenizer
