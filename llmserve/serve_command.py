@@ -33,6 +33,7 @@ import threading
 import time
 from pathlib import Path
 
+from llmserve.arg_types import count, positive_seconds, seconds
 from llmserve.router_command import DEFAULT_ROUTER_PORT, POLICIES, add_limit_args, limit_argv
 from llmserve.security_args import ServeSecurity, add_serve_args
 from llmserve.supervisor import Child, ChildFailed, RestartPolicy, Supervisor
@@ -64,14 +65,14 @@ def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") 
     g.add_argument("--probe-interval", type=float, default=1.0, metavar="S",
                    help="the router's worker probe interval (default 1)")
     r = p.add_argument_group("supervision")
-    r.add_argument("--restart-backoff", type=_seconds, default=1.0, metavar="S",
+    r.add_argument("--restart-backoff", type=seconds, default=1.0, metavar="S",
                    help="a dead child is restarted after S seconds, doubling with each recent restart (default 1)")
-    r.add_argument("--restart-backoff-max", type=_seconds, default=30.0, metavar="S",
+    r.add_argument("--restart-backoff-max", type=seconds, default=30.0, metavar="S",
                    help="the longest wait before a restart (default 30)")
-    r.add_argument("--max-restarts", type=_count, default=5, metavar="N",
+    r.add_argument("--max-restarts", type=count, default=5, metavar="N",
                    help="a child needing more than N restarts within --restart-window stops the cluster "
                    "(default 5; 0: any child's death stops the cluster)")
-    r.add_argument("--restart-window", type=_positive, default=300.0, metavar="S",
+    r.add_argument("--restart-window", type=positive_seconds, default=300.0, metavar="S",
                    help="the sliding window --max-restarts counts in (default 300)")
     add_serve_args(p.add_argument_group("security (docs/security.md)"))
     d = p.add_argument_group("demo")
@@ -83,27 +84,6 @@ def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") 
     d.add_argument("--demo-max-new-tokens", type=int, default=32, metavar="N")
     d.add_argument("--exit-after-demo", action="store_true", help="shut down after the demo instead of serving")
     p.set_defaults(func=run)
-
-
-def _seconds(text: str) -> float:
-    value = float(text)
-    if not 0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text}")
-    return value
-
-
-def _positive(text: str) -> float:
-    value = _seconds(text)
-    if value == 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
-
-
-def _count(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
 
 
 def _health_channel(security: ServeSecurity):

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
+from llmserve.arg_types import count, positive_seconds
 from llmserve.logging import configure_logging
 from llmserve.security_args import add_server_args
 from worker_svc.cli_args import add_engine_args, engine_config_from_args
@@ -199,20 +200,6 @@ def worker_options(args: argparse.Namespace) -> WorkerOptions:
     )
 
 
-def _positive_seconds(text: str) -> float:
-    value = float(text)
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
-    return value
-
-
-def _count(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
-
-
 def _slow_down(engine, delay_s: float) -> None:
     """Test hook (--debug-step-delay): sleep before every forward step, so a generation stays in flight."""
     import time
@@ -267,10 +254,10 @@ def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") 
     )
     g.add_argument("--health-probe-timeout", type=float, default=20.0, metavar="S",
                    help="seconds the idle health check's one-token generation may take")
-    g.add_argument("--step-stall-timeout", type=_positive_seconds, default=120.0, metavar="S",
+    g.add_argument("--step-stall-timeout", type=positive_seconds, default=120.0, metavar="S",
                    help="with work pending, no engine step completing for this long makes the worker unhealthy "
                    "(NOT_SERVING, new requests UNAVAILABLE)")
-    g.add_argument("--max-queued-requests", type=_count, default=1024, metavar="N",
+    g.add_argument("--max-queued-requests", type=count, default=1024, metavar="N",
                    help="at most N requests (samples) wait beyond the --max-running-requests slots; a Generate "
                    "that would exceed it is refused at once with RESOURCE_EXHAUSTED")
     g.add_argument("--shutdown-grace", type=float, default=5.0, metavar="S",

@@ -1,0 +1,29 @@
+"""argparse types shared by the commands: each rejects a bad value with a message naming the rule."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def seconds(text: str) -> float:
+    """A finite number of seconds >= 0."""
+    value = float(text)
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text}")
+    return value
+
+
+def positive_seconds(text: str) -> float:
+    """A finite number of seconds > 0."""
+    value = seconds(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def count(text: str) -> int:
+    """An integer >= 0."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
