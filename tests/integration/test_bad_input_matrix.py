@@ -18,7 +18,7 @@ from llmserve.v1 import router_pb2 as pb
 from llmserve.v1 import router_pb2_grpc as pb_grpc
 from llmserve.v1 import tokenizer_pb2 as tpb
 from router.client import RouterClient, generate_request
-from tests.integration.test_router import SERVING, _health, engine_flags, spawn, wait_for
+from tests.integration.test_router import one_group_cluster
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -33,24 +33,8 @@ class Endpoints:
 
 @pytest.fixture(scope="module")
 def endpoints(model_factory, tmp_path_factory) -> Iterator[Endpoints]:
-    model = model_factory("tiny")
-    workdir = tmp_path_factory.mktemp("matrix")
-    tokenizer = spawn("tokenizer", ["tokenizer", "--model", str(model)], workdir)
-    worker = spawn("worker", ["worker", "--model", str(model), *engine_flags()], workdir)
-    procs = [tokenizer, worker]
-    try:
-        deadline = time.monotonic() + 120
-        for p in procs:
-            p.wait_port(deadline)
-        router = spawn("router", ["router", "--tokenizer", tokenizer.address, "--workers", worker.address,
-                                  "--probe-interval", "0.3"], workdir)
-        procs.append(router)
-        router.wait_port(deadline)
-        wait_for(lambda: _health(router.address) == SERVING, 60, what="router SERVING")
+    with one_group_cluster(model_factory("tiny"), tmp_path_factory.mktemp("matrix")) as (_, worker, router):
         yield Endpoints(router.address, worker.address)
-    finally:
-        for p in reversed(procs):
-            p.stop()
 
 
 def _gen(**sampling) -> pb.GenerateRequest:

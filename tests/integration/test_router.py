@@ -7,6 +7,7 @@ The cluster is shared by the module; the last test kills the workers, so it must
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -96,6 +97,33 @@ def spawn(name: str, args: list[str], workdir: Path) -> Proc:
 
 def engine_flags() -> list[str]:
     return [x for k, v in ENGINE.items() for x in (f"--{k.replace('_', '-')}", str(v))]
+
+
+@contextlib.contextmanager
+def one_group_cluster(model: Path, workdir: Path, worker_flags: list[str] | None = None,
+                      router_flags: list[str] = ()) -> Iterator[tuple[Proc, Proc, Proc]]:
+    """(tokenizer, worker, router) as processes, the router SERVING; stopped on exit (SIGCONT
+    first, for tests that SIGSTOP one)."""
+    tokenizer = spawn("tokenizer", ["tokenizer", "--model", str(model)], workdir)
+    worker = spawn("worker", ["worker", "--model", str(model),
+                              *(engine_flags() if worker_flags is None else worker_flags)], workdir)
+    procs = [tokenizer, worker]
+    try:
+        deadline = time.monotonic() + 120
+        for p in procs:
+            p.wait_port(deadline)
+        router = spawn("router", ["router", "--tokenizer", tokenizer.address, "--workers", worker.address,
+                                  "--probe-interval", "0.3", *router_flags], workdir)
+        procs.append(router)
+        router.wait_port(deadline)
+        wait_for(lambda: _health(router.address) == SERVING, 60, what="router SERVING")
+        yield tokenizer, worker, router
+    finally:
+        for p in procs:
+            if p.proc.poll() is None:
+                p.proc.send_signal(signal.SIGCONT)
+        for p in reversed(procs):
+            p.stop()
 
 
 @dataclass

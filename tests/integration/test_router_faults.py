@@ -12,32 +12,16 @@ from collections.abc import Iterator
 import pytest
 
 from router.client import AsyncRouterClient, RouterClient
-from tests.integration.test_router import SERVING, Proc, _health, engine_flags, spawn, wait_for
+from tests.integration.test_router import Proc, one_group_cluster, wait_for
 
 STREAM_TIMEOUT = 2.0
 
 
 @pytest.fixture
 def cluster(model_factory, tmp_path) -> Iterator[tuple[Proc, Proc]]:
-    model = model_factory("tiny")
-    tokenizer = spawn("tokenizer", ["tokenizer", "--model", str(model)], tmp_path)
-    worker = spawn("worker", ["worker", "--model", str(model), *engine_flags()], tmp_path)
-    procs = [tokenizer, worker]
-    try:
-        deadline = time.monotonic() + 120
-        for p in procs:
-            p.wait_port(deadline)
-        router = spawn("router", ["router", "--tokenizer", tokenizer.address, "--workers", worker.address,
-                                  "--probe-interval", "0.3", "--stream-timeout", str(STREAM_TIMEOUT)], tmp_path)
-        procs.append(router)
-        router.wait_port(deadline)
-        wait_for(lambda: _health(router.address) == SERVING, 60, what="router SERVING")
+    with one_group_cluster(model_factory("tiny"), tmp_path,
+                           router_flags=["--stream-timeout", str(STREAM_TIMEOUT)]) as (_, worker, router):
         yield worker, router
-    finally:
-        for p in procs:
-            p.proc.send_signal(signal.SIGCONT)
-        for p in reversed(procs):
-            p.stop()
 
 
 def test_sigstopped_worker_streams_end_within_stream_timeout(cluster) -> None:

@@ -16,7 +16,7 @@ import grpc
 import pytest
 
 from router.client import AsyncRouterClient
-from tests.integration.test_router import SERVING, Proc, _health, spawn, wait_for
+from tests.integration.test_router import Proc, one_group_cluster
 
 pytestmark = pytest.mark.slow
 
@@ -32,25 +32,11 @@ def _rss_mb(pid: int) -> float:
 
 @pytest.fixture(scope="module")
 def router(model_factory, tmp_path_factory) -> Iterator[Proc]:
-    model = model_factory("tiny")
-    workdir = tmp_path_factory.mktemp("load")
-    tokenizer = spawn("tokenizer", ["tokenizer", "--model", str(model)], workdir)
-    worker = spawn("worker", ["worker", "--model", str(model), "--dtype", "float32", "--max-running-requests", "64",
-                              "--max-total-tokens", "16384", "--context-length", "256"], workdir)
-    procs = [tokenizer, worker]
-    try:
-        deadline = time.monotonic() + 120
-        for p in procs:
-            p.wait_port(deadline)
-        router = spawn("router", ["router", "--tokenizer", tokenizer.address, "--workers", worker.address,
-                                  "--max-concurrent-requests", str(CAP), "--probe-interval", "0.5"], workdir)
-        procs.append(router)
-        router.wait_port(deadline)
-        wait_for(lambda: _health(router.address) == SERVING, 60, what="router SERVING")
+    worker_flags = ["--dtype", "float32", "--max-running-requests", "64", "--max-total-tokens", "16384",
+                    "--context-length", "256"]
+    with one_group_cluster(model_factory("tiny"), tmp_path_factory.mktemp("load"), worker_flags,
+                           ["--max-concurrent-requests", str(CAP)]) as (_, _, router):
         yield router
-    finally:
-        for p in reversed(procs):
-            p.stop()
 
 
 def test_1000_streams_against_a_cap_of_256(router: Proc) -> None:
