@@ -14,24 +14,10 @@ from smg_grpc_proto import sglang_scheduler_pb2 as spb
 
 from llmserve.v1 import router_pb2 as pb
 from router.client import generate_request
-from tests.integration.test_router_units import FakeWorker, fake_cluster
+from tests.integration.test_router_units import FakeWorker, _run, fake_cluster, tok, tok_dir  # noqa: F401
 from tokenizer_svc.tokenizer import ModelTokenizer
 
 TIMEOUT = 20.0
-
-
-@pytest.fixture(scope="module")
-def tok_dir(model_factory) -> Path:
-    return model_factory("tiny")
-
-
-@pytest.fixture(scope="module")
-def tok(tok_dir: Path) -> ModelTokenizer:
-    return ModelTokenizer.from_dir(tok_dir)
-
-
-def _run(coro_fn) -> None:
-    asyncio.run(asyncio.wait_for(coro_fn(), 60))
 
 
 def _script(tok: ModelTokenizer, text: str = "one two three four five six seven eight nine ten") -> list[list[int]]:
