@@ -233,6 +233,9 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
         structlog.contextvars.bind_contextvars(request_id=request_id)
         if header_id and header_id != request_id:
             structlog.contextvars.bind_contextvars(x_request_id=header_id)
+        client_id = _metadata(context, "x-client-request-id")  # the router's label for the client's call
+        if client_id:
+            structlog.contextvars.bind_contextvars(client_request_id=client_id[:256])
         self.last_receive_time = time.time()
         received = time.monotonic()
         log.debug(
