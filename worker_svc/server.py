@@ -20,6 +20,7 @@ step failed.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import contextlib
 import importlib.metadata
 import threading
@@ -292,7 +293,10 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
             )
             # Belt and braces: the finally below covers cancellation inside this coroutine; the done
             # callback covers a consumer that stops iterating while we sit at a yield.
-            context.add_done_callback(lambda _: call.end_early(self.loop, self._end_reason(context)))
+            # The callback runs outside this task: it logs with the call's bindings (request ids).
+            bindings = contextvars.copy_context()
+            context.add_done_callback(
+                lambda _: bindings.run(call.end_early, self.loop, self._end_reason(context)))
             with_logprobs = spec.params[0].return_logprob
             remaining = spec.n
             while remaining:
