@@ -72,6 +72,7 @@ async def _serve(args: argparse.Namespace, security: ServerSecurity) -> int:
     from worker_svc.engine import Engine
     from worker_svc.server import WorkerServer
 
+    _native_heap_policy(args.malloc_mmap_threshold)
     config = engine_config_from_args(args)
     size, rank, init_addr = _tp_layout(args)
     tp_secret = _tp_secret(args, os.environ) if size > 1 else None
@@ -188,6 +189,19 @@ def _delay_seconds(text: str) -> float:
     return value
 
 
+def _native_heap_policy(mmap_threshold: int) -> None:
+    """Before the model loads: fix glibc's mmap threshold so per-step temporaries of changing sizes
+    are given back instead of fragmenting the heap (worker_svc/native_memory.py, review F12)."""
+    from worker_svc.native_memory import fix_mmap_threshold
+
+    if not mmap_threshold:
+        return
+    if fix_mmap_threshold(mmap_threshold):
+        log.info("malloc mmap threshold fixed", bytes=mmap_threshold)
+    else:
+        log.warning("--malloc-mmap-threshold not applied (not glibc, or above 32 MiB)", bytes=mmap_threshold)
+
+
 def worker_options(args: argparse.Namespace) -> WorkerOptions:
     from worker_svc.server import WorkerOptions
 
@@ -257,6 +271,11 @@ def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") 
     g.add_argument("--step-stall-timeout", type=positive_seconds, default=120.0, metavar="S",
                    help="with work pending, no engine step completing for this long makes the worker unhealthy "
                    "(NOT_SERVING, new requests UNAVAILABLE)")
+    g.add_argument("--malloc-mmap-threshold", type=count, default=0, metavar="BYTES",
+                   help="fix glibc's mmap threshold at BYTES (at most 32 MiB, e.g. 4194304): per-step temporaries "
+                   "above it go back to the kernel when freed, so RSS stays flat under traffic of changing "
+                   "shapes, at the cost of system CPU time (mmap, page faults). Default 0: glibc's self-raising "
+                   "threshold, faster, RSS rises to a plateau (worker_svc/native_memory.py)")
     g.add_argument("--max-queued-requests", type=count, default=1024, metavar="N",
                    help="at most N requests (samples) wait beyond the --max-running-requests slots; a Generate "
                    "that would exceed it is refused at once with RESOURCE_EXHAUSTED")

@@ -1,13 +1,15 @@
 """The worker's side of the reliability review (shared/reviews/reliability.md) over real gRPC on
 127.0.0.1: request-id reuse (F3, F4), malformed messages (F14), abort accounting in the log (F18),
-health of a wedged engine and the stall flag (F20) and the bounded waiting queue (F11). Tiny model,
-the same engine settings as test_worker_server.py."""
+health of a wedged engine and the stall flag (F20), the bounded waiting queue (F11) and RSS under
+traffic (F12, slow). Tiny model, the same engine settings as test_worker_server.py."""
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 import grpc
@@ -352,7 +354,9 @@ def test_worker_flags_reach_the_worker_options(worker_model):
     assert (options.step_stall_timeout_s, options.max_queued_requests) == (7.5, 3)
     defaults = worker_options(parser.parse_args(["worker", "--model", str(worker_model)]))
     assert defaults.step_stall_timeout_s == 120.0 and defaults.max_queued_requests >= 1024
-    for bad in (["--step-stall-timeout", "0"], ["--max-queued-requests", "-1"]):
+    assert parser.parse_args(["worker", "--model", str(worker_model), "--malloc-mmap-threshold", "4194304"]
+                             ).malloc_mmap_threshold == 4 << 20
+    for bad in (["--step-stall-timeout", "0"], ["--max-queued-requests", "-1"], ["--malloc-mmap-threshold", "-1"]):
         with pytest.raises(SystemExit):
             parser.parse_args(["worker", "--model", str(worker_model), *bad])
 
@@ -385,3 +389,54 @@ def test_generate_past_the_queue_limit_is_resource_exhausted_at_once(worker_mode
         _wait_idle(server)
         _, completes = _collect(stub, _request(prompt, rid="q-later", max_new=4, n=2))  # room again
         assert [c.finish_reason for c in completes] == ["length", "length"]
+
+
+# ---- F12: RSS under traffic through gRPC ---------------------------------------------------------
+
+
+def _rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise AssertionError(f"no VmRSS for pid {pid}")
+
+
+def worker_rss_under_mixed_prompts(worker_process_factory, model, *flags: str, rounds: int = 15,
+                                   warm_up: int = 5) -> tuple[float, float, float]:
+    """RSS (MB) of a `llmserve worker` when idle, after ``warm_up`` rounds and after ``rounds`` more;
+    a round is 32 concurrent streams whose prompts are 8-1900 tokens long, so each step's
+    temporaries have a new size."""
+    worker = worker_process_factory(model, *flags, max_running_requests=32, max_total_tokens=65536,
+                                    context_length=2048, chunked_prefill_size=1024, max_prefill_tokens=4096)
+    rng = random.Random(12)
+    with grpc.insecure_channel(worker.address) as ch, ThreadPoolExecutor(max_workers=32) as pool:
+        stub = pb_grpc.SglangSchedulerStub(ch)
+
+        def one(length: int) -> None:
+            _collect(stub, _request(_prompt(length, seed=length), stream=True, max_new=16))
+
+        def round_() -> None:
+            list(pool.map(one, [rng.randrange(8, 1900) for _ in range(32)]))
+
+        one(8)
+        idle = _rss_mb(worker.proc.pid)
+        for _ in range(warm_up):
+            round_()
+        warm = _rss_mb(worker.proc.pid)
+        for _ in range(rounds):
+            round_()
+        return idle, warm, _rss_mb(worker.proc.pid)
+
+
+@pytest.mark.slow
+def test_worker_rss_levels_off_and_a_fixed_mmap_threshold_keeps_it_flat(worker_model, worker_process_factory):
+    """F12: RSS rises with traffic of changing shapes to a plateau (glibc's self-raising mmap
+    threshold keeps freed temporaries in the heap) and then stays; `--malloc-mmap-threshold` keeps
+    it near the idle figure from the start (worker_svc/native_memory.py)."""
+    idle, warm, after = worker_rss_under_mixed_prompts(worker_process_factory, worker_model)
+    print(f"default: idle {idle:.0f}, warm {warm:.0f}, after {after:.0f} MB")
+    assert after - warm < 0.05 * warm, f"RSS kept growing after warm-up: {warm:.0f} -> {after:.0f} MB"
+    fixed = worker_rss_under_mixed_prompts(worker_process_factory, worker_model, "--malloc-mmap-threshold", "4194304")
+    print("fixed threshold: idle {:.0f}, warm {:.0f}, after {:.0f} MB".format(*fixed))
+    assert fixed[2] - fixed[0] < 0.6 * (after - idle), (fixed, (idle, warm, after))
