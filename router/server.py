@@ -541,7 +541,7 @@ class RouterServicer:
         validate_request_id(header_id, limits, "x-request-id")
         return body_id or header_id or uuid.uuid4().hex
 
-    def _plan(self, request_id: str, prompt_ids: list[int], prompt_text: str, sp: pb.SamplingParams,
+    def _plan(self, request_id: str, prompt_ids: list[int], sp: pb.SamplingParams,
               facts: ModelFacts, context) -> _Plan:
         wsp = spb.SamplingParams(
             temperature=sp.temperature if sp.HasField("temperature") else 1.0,
@@ -616,7 +616,7 @@ class RouterServicer:
         check_fits(len(ids), sp, facts, field_name)
         if self.options.log_prompts:
             log.info("prompt", text=text, token_ids=ids if not text else None)
-        return self._plan(request_id, ids, text, sp, facts, context)
+        return self._plan(request_id, ids, sp, facts, context)
 
     async def _plan_chat(self, request: pb.ChatRequest, request_id: str, context) -> _Plan:
         sp = request.sampling_params
@@ -642,7 +642,7 @@ class RouterServicer:
         check_fits(len(ids), sp, facts, "messages")
         if self.options.log_prompts:
             log.info("prompt", text=enc.prompt_text)
-        return self._plan(request_id, ids, enc.prompt_text, sp, facts, context)
+        return self._plan(request_id, ids, sp, facts, context)
 
     # ---- streaming -------------------------------------------------------------------------------
 
