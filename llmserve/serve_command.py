@@ -37,6 +37,7 @@ from llmserve.arg_types import count, positive_seconds, seconds
 from llmserve.router_command import DEFAULT_ROUTER_PORT, POLICIES, add_limit_args, limit_argv
 from llmserve.security_args import ServeSecurity, add_serve_args
 from llmserve.supervisor import Child, ChildFailed, RestartPolicy, Supervisor
+from llmserve.worker_command import add_worker_limit_args, worker_limit_argv
 from worker_svc.cli_args import add_engine_args, engine_argv
 
 
@@ -54,6 +55,7 @@ def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") 
                    help=f"the router's port (default {DEFAULT_ROUTER_PORT}; 0: any free port)")
     g.add_argument("--policy", choices=POLICIES, default="least_load", help="the router's routing policy")
     add_limit_args(p)
+    add_worker_limit_args(p.add_argument_group("worker limits"))
     g.add_argument("--served-model-name", default=None, help="model name clients may send (default: folder name)")
     g.add_argument("--log-dir", default=None, help="children's log files (default: a new temporary folder)")
     g.add_argument("--log-json", action="store_true", help="children log JSON lines")
@@ -190,7 +192,7 @@ def _run_cluster(args: argparse.Namespace, model: Path, log_dir: Path, stop: thr
         Child(f"worker {i}", py + ["worker", "--model", str(model), "--host", args.host, "--port", "0",
                                    "--port-file", str(log_dir / f"worker{i}.port"), "--served-model-name", served,
                                    *(["--tp", str(args.tp)] if args.tp > 1 else []), *engine_argv(args),
-                                   *security.backend_argv(internal_token), *common],
+                                   *worker_limit_argv(args), *security.backend_argv(internal_token), *common],
               log_dir / f"worker{i}.log", log_dir / f"worker{i}.port", worker_env)
         for i in range(args.dp)
     ]

@@ -99,8 +99,10 @@ async def _serve(args: argparse.Namespace, security: ServerSecurity) -> int:
 
         children = []
         if args.dist_init_addr is None:  # single-machine mode: this process starts the other ranks
-            shared = engine_argv(args, include_model=True) + ["--log-level", args.log_level, "--tp-timeout", str(args.tp_timeout),
-                                          "--shutdown-grace", str(args.shutdown_grace)]
+            # Followers run steps too: the heap policy is theirs as well.
+            shared = engine_argv(args, include_model=True) + [
+                "--log-level", args.log_level, "--tp-timeout", str(args.tp_timeout),
+                "--shutdown-grace", str(args.shutdown_grace), f"--malloc-mmap-threshold={args.malloc_mmap_threshold}"]
             tp_secret = tp_secret or new_secret()
             # Spawned from this (the event loop's) thread, which lives as long as the process: the
             # followers' parent-death signal fires when this process dies, not earlier.
@@ -245,6 +247,28 @@ def run(args: argparse.Namespace) -> int:
         return 1
 
 
+def add_worker_limit_args(g: "argparse._ArgumentGroup") -> None:
+    """The worker's backpressure, stall detection and heap policy (docs/reliability.md); `serve`
+    passes them on to its workers (worker_limit_argv)."""
+    g.add_argument("--step-stall-timeout", type=positive_seconds, default=120.0, metavar="S",
+                   help="with work pending, no engine step completing for this long makes the worker unhealthy "
+                   "(NOT_SERVING, new requests UNAVAILABLE)")
+    g.add_argument("--malloc-mmap-threshold", type=count, default=0, metavar="BYTES",
+                   help="fix glibc's mmap threshold at BYTES (at most 32 MiB, e.g. 4194304): per-step temporaries "
+                   "above it go back to the kernel when freed, so RSS stays flat under traffic of changing "
+                   "shapes, at the cost of system CPU time (mmap, page faults). Default 0: glibc's self-raising "
+                   "threshold, faster, RSS rises to a plateau (worker_svc/native_memory.py)")
+    g.add_argument("--max-queued-requests", type=count, default=1024, metavar="N",
+                   help="at most N requests (samples) wait beyond the --max-running-requests slots; a Generate "
+                   "that would exceed it is refused at once with RESOURCE_EXHAUSTED")
+
+
+def worker_limit_argv(args: argparse.Namespace) -> list[str]:
+    """The flags of add_worker_limit_args as a command line (serve -> worker)."""
+    return [f"--step-stall-timeout={args.step_stall_timeout}", f"--malloc-mmap-threshold={args.malloc_mmap_threshold}",
+            f"--max-queued-requests={args.max_queued_requests}"]
+
+
 def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
     p = subparsers.add_parser(
         "worker",
@@ -268,19 +292,9 @@ def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") 
     )
     g.add_argument("--health-probe-timeout", type=float, default=20.0, metavar="S",
                    help="seconds the idle health check's one-token generation may take")
-    g.add_argument("--step-stall-timeout", type=positive_seconds, default=120.0, metavar="S",
-                   help="with work pending, no engine step completing for this long makes the worker unhealthy "
-                   "(NOT_SERVING, new requests UNAVAILABLE)")
-    g.add_argument("--malloc-mmap-threshold", type=count, default=0, metavar="BYTES",
-                   help="fix glibc's mmap threshold at BYTES (at most 32 MiB, e.g. 4194304): per-step temporaries "
-                   "above it go back to the kernel when freed, so RSS stays flat under traffic of changing "
-                   "shapes, at the cost of system CPU time (mmap, page faults). Default 0: glibc's self-raising "
-                   "threshold, faster, RSS rises to a plateau (worker_svc/native_memory.py)")
-    g.add_argument("--max-queued-requests", type=count, default=1024, metavar="N",
-                   help="at most N requests (samples) wait beyond the --max-running-requests slots; a Generate "
-                   "that would exceed it is refused at once with RESOURCE_EXHAUSTED")
     g.add_argument("--shutdown-grace", type=float, default=5.0, metavar="S",
                    help="seconds in-flight calls may run on after SIGTERM before they are aborted")
+    add_worker_limit_args(g)
     g.add_argument("--debug-step-delay", type=float, default=0.0, metavar="S", help=argparse.SUPPRESS)
     g.add_argument("--log-json", action="store_true", help="JSON log lines")
     g.add_argument("--log-level", choices=LOG_LEVELS, default="info")
