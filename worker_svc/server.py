@@ -42,6 +42,7 @@ from smg_grpc_proto.generated import common_pb2
 
 from llmserve.grpc_listen import grpc_address, listen
 from llmserve.grpc_wire import InvalidRequest, tolerant
+from llmserve.message_limits import message_size_options
 from llmserve.security import HEALTH_METHODS, ServerSecurity
 from worker_svc import grpc_convert
 from worker_svc.calls import CallRegistry
@@ -584,11 +585,7 @@ class WorkerServer:
     async def start(self) -> int:
         aio_loop = asyncio.get_running_loop()
         self.server = grpc.aio.server(
-            options=[
-                ("grpc.max_receive_message_length", 64 << 20),
-                ("grpc.max_send_message_length", 64 << 20),
-                ("grpc.so_reuseport", 0),
-            ],
+            options=[*message_size_options(), ("grpc.so_reuseport", 0)],
             interceptors=self.security.interceptors(self.OPEN_METHODS, realm="worker"),
         )
         self.health = WorkerHealth(self.servicer.liveness)
