@@ -54,7 +54,7 @@ def main() -> None:
         for _ in range(args.rounds):
             for name, fns in kernels.items():
                 start = time.perf_counter()
-                for fn, w in zip(fns, weights):
+                for fn, w in zip(fns, weights, strict=True):
                     fn(inputs[w.shape[1]], w, None)
                 best[name] = min(best[name], time.perf_counter() - start)
         print(f"rows={rows:3d}", flush=True)

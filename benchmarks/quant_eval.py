@@ -35,7 +35,9 @@ def teacher_forced_logits(runner: ModelRunner, tokens: torch.Tensor) -> torch.Te
 
 
 def decode_step_time(runner: ModelRunner, batch_size: int, input_len: int, steps: int) -> float:
-    prompts = torch.randint(0, runner.config.vocab_size, (batch_size, input_len), generator=torch.Generator().manual_seed(1))
+    prompts = torch.randint(
+        0, runner.config.vocab_size, (batch_size, input_len), generator=torch.Generator().manual_seed(1)
+    )
     batch = StaticBatch(runner, batch_size)
     try:
         logits = batch.extend(prompts.tolist())
@@ -51,9 +53,14 @@ def decode_step_time(runner: ModelRunner, batch_size: int, input_len: int, steps
 
 def engine_config(model: str, name: str, cpu_quant_kernel: str) -> EngineConfig:
     config, _, kernel = name.partition("@")
-    return EngineConfig(model_path=model, dtype="bfloat16", max_total_tokens=8192,
-                        torchao_config=config.removesuffix("+head"), quantize_lm_head=config.endswith("+head"),
-                        cpu_quant_kernel=kernel or cpu_quant_kernel)
+    return EngineConfig(
+        model_path=model,
+        dtype="bfloat16",
+        max_total_tokens=8192,
+        torchao_config=config.removesuffix("+head"),
+        quantize_lm_head=config.endswith("+head"),
+        cpu_quant_kernel=kernel or cpu_quant_kernel,
+    )
 
 
 def main() -> None:
@@ -70,7 +77,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    runners = {name: ModelRunner(engine_config(args.model, name, args.cpu_quant_kernel)) for name in ["none", *args.configs]}
+    runners = {
+        name: ModelRunner(engine_config(args.model, name, args.cpu_quant_kernel)) for name in ["none", *args.configs]
+    }
     if not args.speed_only:
         report_accuracy(runners, args.configs, args.positions)
     report_speed(runners, args.batch_sizes, args.rounds, args.steps)
@@ -79,7 +88,9 @@ def main() -> None:
 def report_accuracy(runners: dict[str, ModelRunner], configs: list[str], positions: int) -> None:
     seqs = 8
     length = 16 + positions // seqs + 1
-    tokens = torch.randint(0, runners["none"].config.vocab_size, (seqs, length), generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(
+        0, runners["none"].config.vocab_size, (seqs, length), generator=torch.Generator().manual_seed(0)
+    )
     base = teacher_forced_logits(runners["none"], tokens).float()
     base_logp = base.log_softmax(-1)
     print(f"accuracy vs bf16 over {base.shape[0]} positions")
@@ -88,8 +99,11 @@ def report_accuracy(runners: dict[str, ModelRunner], configs: list[str], positio
         kl = (base_logp.exp() * (base_logp - logits.log_softmax(-1))).sum(-1).mean().item()
         top1 = (logits.argmax(-1) == base.argmax(-1)).float().mean().item()
         cos = torch.nn.functional.cosine_similarity(logits, base, dim=-1).mean().item()
-        print(f"  {name:18s} mean KL {kl:.5f}  top-1 agreement {top1:.3f}  logits cosine {cos:.4f}  "
-              f"weight bytes {runners[name].weight_nbytes / 2**20:.1f} MiB (bf16 {runners['none'].weight_nbytes / 2**20:.1f})")
+        print(
+            f"  {name:18s} mean KL {kl:.5f}  top-1 agreement {top1:.3f}  logits cosine {cos:.4f}  "
+            f"weight bytes {runners[name].weight_nbytes / 2**20:.1f} MiB "
+            f"(bf16 {runners['none'].weight_nbytes / 2**20:.1f})"
+        )
 
 
 def report_speed(runners: dict[str, ModelRunner], batch_sizes: list[int], rounds: int, steps: int) -> None:

@@ -43,9 +43,14 @@ def engine_config(model: str, name: str, max_tokens: int) -> EngineConfig:
 
 def continuation_agreement(ours: list[list[int]], ref: list[list[int]]) -> tuple[float, float, int]:
     """(fraction of positions equal, mean tokens before the first difference, prompts identical)."""
-    same = sum(a == b for o, r in zip(ours, ref) for a, b in zip(o, r)) / sum(len(r) for r in ref)
-    prefix = [next((i for i, (a, b) in enumerate(zip(o, r)) if a != b), len(r)) for o, r in zip(ours, ref)]
-    return same, sum(prefix) / len(prefix), sum(p == len(r) for p, r in zip(prefix, ref))
+    same = sum(a == b for o, r in zip(ours, ref, strict=True) for a, b in zip(o, r, strict=False)) / sum(
+        len(r) for r in ref
+    )
+    prefix = [
+        next((i for i, (a, b) in enumerate(zip(o, r, strict=False)) if a != b), len(r))
+        for o, r in zip(ours, ref, strict=False)
+    ]
+    return same, sum(prefix) / len(prefix), sum(p == len(r) for p, r in zip(prefix, ref, strict=False))
 
 
 def main() -> None:
@@ -66,8 +71,11 @@ def main() -> None:
     start = time.perf_counter()
     hf_ppl = perplexity(HFScorer(args.model), ids, args.window, args.stride)
     _, hf_tokens = hf_greedy(args.model, prompts, CONTINUATION)
-    print(f"{len(ids)} tokens, {hf_ppl.tokens_scored} scored in {hf_ppl.windows} windows of {args.window} "
-          f"(stride {args.stride}); {PROMPTS} prompts x {CONTINUATION} greedy tokens", flush=True)
+    print(
+        f"{len(ids)} tokens, {hf_ppl.tokens_scored} scored in {hf_ppl.windows} windows of {args.window} "
+        f"(stride {args.stride}); {PROMPTS} prompts x {CONTINUATION} greedy tokens",
+        flush=True,
+    )
     print(f"HF fp32: perplexity {hf_ppl.perplexity:.4f} ({time.perf_counter() - start:.0f} s)", flush=True)
 
     rows, results = [], {}
@@ -80,17 +88,23 @@ def main() -> None:
         results[name] = result
         same, prefix, identical = continuation_agreement(tokens, hf_tokens)
         row = {
-            "config": name, "perplexity": result.perplexity, "top1_vs_hf_fp32": result.top1_agreement(hf_ppl),
+            "config": name,
+            "perplexity": result.perplexity,
+            "top1_vs_hf_fp32": result.top1_agreement(hf_ppl),
             "top1_vs_bf16": result.top1_agreement(results["bf16"]) if "bf16" in results else None,
-            "greedy_tokens_equal_hf_fp32": same, "greedy_mean_prefix": prefix, "greedy_prompts_identical": identical,
+            "greedy_tokens_equal_hf_fp32": same,
+            "greedy_mean_prefix": prefix,
+            "greedy_prompts_identical": identical,
             "weight_mib": runner.weight_nbytes / 2**20,
         }
         rows.append(row)
-        print(f"{name:16s} ppl {row['perplexity']:8.4f}  top-1 vs bf16 "
-              f"{row['top1_vs_bf16'] if row['top1_vs_bf16'] is not None else float('nan'):.4f}  vs HF fp32 "
-              f"{row['top1_vs_hf_fp32']:.4f}  greedy: {same:.3f} of tokens, first difference at {prefix:.1f}, "
-              f"{identical}/{PROMPTS} identical  ({row['weight_mib']:.1f} MiB, {time.perf_counter() - start:.0f} s)",
-              flush=True)
+        print(
+            f"{name:16s} ppl {row['perplexity']:8.4f}  top-1 vs bf16 "
+            f"{row['top1_vs_bf16'] if row['top1_vs_bf16'] is not None else float('nan'):.4f}  vs HF fp32 "
+            f"{row['top1_vs_hf_fp32']:.4f}  greedy: {same:.3f} of tokens, first difference at {prefix:.1f}, "
+            f"{identical}/{PROMPTS} identical  ({row['weight_mib']:.1f} MiB, {time.perf_counter() - start:.0f} s)",
+            flush=True,
+        )
         del runner
     if args.result_file:
         args.result_file.write_text(json.dumps({"hf_fp32_perplexity": hf_ppl.perplexity, "rows": rows}, indent=2))

@@ -4,9 +4,8 @@ import argparse
 import os
 from collections.abc import Callable, Sequence
 
-from llmserve import client_commands, parent_death, router_command, serve_command
+from llmserve import client_commands, parent_death, router_command, serve_command, worker_command
 from llmserve import protos_gen as gen_protos_command
-from llmserve import worker_command
 from llmserve.bench import one_batch as bench_one_batch_command
 from llmserve.eval import command as eval_ppl_command
 from llmserve.modelgen import command as make_model_command

@@ -233,7 +233,7 @@ def _run_health(args: argparse.Namespace) -> int:
     return 1
 
 
-def register_generate(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+def register_generate(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser("generate", help="stream a completion from a router",
                               description="Stream the completion of PROMPT from an llmserve router to stdout.")
     p.add_argument("prompt", help="the prompt text")
@@ -241,7 +241,7 @@ def register_generate(subparsers: "argparse._SubParsersAction[argparse.ArgumentP
     p.set_defaults(func=_run_generate)
 
 
-def register_chat(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+def register_chat(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser(
         "chat", help="chat with the model through a router (interactive, or one-shot with --message)",
         description="Chat through the model's chat template. Without --message, read user turns from stdin "
@@ -253,7 +253,7 @@ def register_chat(subparsers: "argparse._SubParsersAction[argparse.ArgumentParse
     p.set_defaults(func=_run_chat)
 
 
-def register_health(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+def register_health(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser("health", help="grpc.health.v1 check of a server (exit 0 when SERVING)",
                               description="Check a server's grpc.health.v1 status; exit 0 when SERVING, else 1.")
     p.add_argument("address", metavar="HOST:PORT")
@@ -265,7 +265,7 @@ def register_health(subparsers: "argparse._SubParsersAction[argparse.ArgumentPar
     p.set_defaults(func=_run_health)
 
 
-def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     register_generate(subparsers)
     register_chat(subparsers)
     register_health(subparsers)

@@ -125,7 +125,7 @@ def _grpc_tools_versions(expected: dict[str, bytes], out_root: Path) -> tuple[st
     return None, None
 
 
-def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser(
         "gen-protos",
         help="regenerate the Python modules of protos/*.proto (committed under llmserve/v1/)",

@@ -47,21 +47,33 @@ def add_limit_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-requests-per-client", type=int, default=0, metavar="N",
                    help="calls in progress per authenticated client (default 0: no per-client limit)")
     g.add_argument("--max-n", type=int, default=64, metavar="N", help="samples per request (default 64)")
-    g.add_argument("--max-stop-strings", type=int, default=16, metavar="N", help="stop strings per request (default 16)")
-    g.add_argument("--max-stop-chars", type=int, default=256, metavar="N",
-                   help="characters per stop string (default 256)")
-    g.add_argument("--stream-timeout", type=float, default=60.0, metavar="S",
-                   help="a worker stream silent this long is a hung worker: the request is aborted there and "
-                        "re-routed if nothing was sent yet (default 60)")
+    g.add_argument(
+        "--max-stop-strings", type=int, default=16, metavar="N", help="stop strings per request (default 16)"
+    )
+    g.add_argument(
+        "--max-stop-chars", type=int, default=256, metavar="N", help="characters per stop string (default 256)"
+    )
+    g.add_argument(
+        "--stream-timeout",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="a worker stream silent this long is a hung worker: the request is aborted there and "
+        "re-routed if nothing was sent yet (default 60)",
+    )
     g.add_argument("--log-prompts", action="store_true", help="log prompt text (off by default)")
 
 
 def limit_argv(args: argparse.Namespace) -> list[str]:
     """The flags of add_limit_args as a command line (serve -> router)."""
-    argv = [f"--max-concurrent-requests={args.max_concurrent_requests}",
-            f"--max-requests-per-client={args.max_requests_per_client}", f"--max-n={args.max_n}",
-            f"--max-stop-strings={args.max_stop_strings}", f"--max-stop-chars={args.max_stop_chars}",
-            f"--stream-timeout={args.stream_timeout}"]
+    argv = [
+        f"--max-concurrent-requests={args.max_concurrent_requests}",
+        f"--max-requests-per-client={args.max_requests_per_client}",
+        f"--max-n={args.max_n}",
+        f"--max-stop-strings={args.max_stop_strings}",
+        f"--max-stop-chars={args.max_stop_chars}",
+        f"--stream-timeout={args.stream_timeout}",
+    ]
     return argv + (["--log-prompts"] if args.log_prompts else [])
 
 
@@ -70,37 +82,75 @@ def add_security_args(p: argparse.ArgumentParser) -> None:
     service and the workers (llmserve/security.py)."""
     from llmserve.security_args import add_internal_channel_args, add_server_args
 
-    add_server_args(p.add_argument_group("security: the public port"), "--auth-token-file",
-                    "require a client token from this file on every call but grpc.health.v1 (lines "
-                    "`TOKEN [IDENTITY [admin]]`; ListWorkers needs an admin token)")
+    add_server_args(
+        p.add_argument_group("security: the public port"),
+        "--auth-token-file",
+        "require a client token from this file on every call but grpc.health.v1 (lines "
+        "`TOKEN [IDENTITY [admin]]`; ListWorkers needs an admin token)",
+    )
     add_internal_channel_args(p.add_argument_group("security: the tokenizer service and workers"))
 
 
-def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser(
-        "router", help="serve llmserve.v1.Router (the public API) in front of a tokenizer service and workers",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tokenizer", required=True, type=_address, metavar="HOST:PORT",
-                   help="the llmserve.v1.Tokenizer service")
-    p.add_argument("--workers", required=True, type=_addresses, metavar="HOST:PORT[,HOST:PORT...]",
-                   help="worker group leaders (sglang.grpc.scheduler.SglangScheduler), one per data-parallel replica")
+        "router",
+        help="serve llmserve.v1.Router (the public API) in front of a tokenizer service and workers",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--tokenizer", required=True, type=_address, metavar="HOST:PORT", help="the llmserve.v1.Tokenizer service"
+    )
+    p.add_argument(
+        "--workers",
+        required=True,
+        type=_addresses,
+        metavar="HOST:PORT[,HOST:PORT...]",
+        help="worker group leaders (sglang.grpc.scheduler.SglangScheduler), one per data-parallel replica",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=DEFAULT_ROUTER_PORT,
-                   help=f"port (default {DEFAULT_ROUTER_PORT}; 0: any free port, see --port-file)")
+    p.add_argument(
+        "--port",
+        type=int,
+        default=DEFAULT_ROUTER_PORT,
+        help=f"port (default {DEFAULT_ROUTER_PORT}; 0: any free port, see --port-file)",
+    )
     p.add_argument("--port-file", default=None, help="write the bound port to this file once serving")
-    p.add_argument("--policy", choices=POLICIES, default="least_load",
-                   help="how to pick a worker group (default least_load)")
-    p.add_argument("--prefix-tokens", type=int, default=32, metavar="N",
-                   help="prompt tokens hashed by the prefix policy (default 32)")
-    p.add_argument("--served-model-name", default=None,
-                   help="model name clients may send (default: what the workers report)")
-    p.add_argument("--probe-interval", type=float, default=1.0, metavar="S",
-                   help="seconds between GetLoads probes of every group (default 1)")
-    p.add_argument("--health-every", type=int, default=5, metavar="K",
-                   help="run the workers' HealthCheck every K probe rounds (default 5)")
+    p.add_argument(
+        "--policy", choices=POLICIES, default="least_load", help="how to pick a worker group (default least_load)"
+    )
+    p.add_argument(
+        "--prefix-tokens",
+        type=int,
+        default=32,
+        metavar="N",
+        help="prompt tokens hashed by the prefix policy (default 32)",
+    )
+    p.add_argument(
+        "--served-model-name", default=None, help="model name clients may send (default: what the workers report)"
+    )
+    p.add_argument(
+        "--probe-interval",
+        type=float,
+        default=1.0,
+        metavar="S",
+        help="seconds between GetLoads probes of every group (default 1)",
+    )
+    p.add_argument(
+        "--health-every",
+        type=int,
+        default=5,
+        metavar="K",
+        help="run the workers' HealthCheck every K probe rounds (default 5)",
+    )
     p.add_argument("--probe-timeout", type=float, default=5.0, metavar="S", help="timeout of one probe (default 5)")
-    p.add_argument("--shutdown-grace", type=float, default=5.0, metavar="S",
-                   help="seconds in-flight calls may run on after SIGTERM (default 5)")
+    p.add_argument(
+        "--shutdown-grace",
+        type=float,
+        default=5.0,
+        metavar="S",
+        help="seconds in-flight calls may run on after SIGTERM (default 5)",
+    )
     add_limit_args(p)
     add_security_args(p)
     p.add_argument("--log-json", action="store_true", help="log JSON lines (for services) instead of text")
@@ -125,12 +175,21 @@ def _run(args: argparse.Namespace) -> int:
         print(f"llmserve router: {exc}", file=sys.stderr)
         return 2
     options = RouterOptions(
-        tokenizer=args.tokenizer, workers=args.workers, policy=args.policy, probe_interval=args.probe_interval,
-        health_every=args.health_every, probe_timeout=args.probe_timeout, prefix_tokens=args.prefix_tokens,
+        tokenizer=args.tokenizer,
+        workers=args.workers,
+        policy=args.policy,
+        probe_interval=args.probe_interval,
+        health_every=args.health_every,
+        probe_timeout=args.probe_timeout,
+        prefix_tokens=args.prefix_tokens,
         served_model_name=args.served_model_name,
-        limits=RequestLimits(max_n=args.max_n, max_stop_strings=args.max_stop_strings,
-                             max_stop_chars=args.max_stop_chars),
-        max_concurrent_requests=args.max_concurrent_requests, max_requests_per_client=args.max_requests_per_client,
-        stream_timeout=args.stream_timeout, log_prompts=args.log_prompts, internal_security=internal)
-    return serve(options, args.host, args.port, port_file=args.port_file, grace=args.shutdown_grace,
-                 security=security)
+        limits=RequestLimits(
+            max_n=args.max_n, max_stop_strings=args.max_stop_strings, max_stop_chars=args.max_stop_chars
+        ),
+        max_concurrent_requests=args.max_concurrent_requests,
+        max_requests_per_client=args.max_requests_per_client,
+        stream_timeout=args.stream_timeout,
+        log_prompts=args.log_prompts,
+        internal_security=internal,
+    )
+    return serve(options, args.host, args.port, port_file=args.port_file, grace=args.shutdown_grace, security=security)

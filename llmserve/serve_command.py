@@ -41,7 +41,7 @@ from llmserve.worker_command import add_worker_limit_args, worker_limit_argv
 from worker_svc.cli_args import add_engine_args, engine_argv
 
 
-def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser(
         "serve", help="run a local cluster: tokenizer service, worker group(s) and the router",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -237,9 +237,10 @@ def _run_cluster(args: argparse.Namespace, model: Path, log_dir: Path, stop: thr
         for i, w in enumerate(workers):
             print(f"  worker {i}   {_join(connect, w.address_port)}  (sglang.grpc.scheduler.SglangScheduler; "
                   f"pid {w.proc.pid})")
-        print(f"  tokenizer  {_join(connect, tokenizer.address_port)}  (llmserve.v1.Tokenizer; pid {tokenizer.proc.pid})")
+        print(f"  tokenizer  {_join(connect, tokenizer.address_port)}  "
+              f"(llmserve.v1.Tokenizer; pid {tokenizer.proc.pid})")
         flags = "".join(f" {a}" for a in security.client_argv())
-        print(f"  try:  llmserve generate --router {address}{flags} \"Once upon a time\" --max-new-tokens 32")
+        print(f'  try:  llmserve generate --router {address}{flags} "Once upon a time" --max-new-tokens 32')
         print(f"        llmserve chat --router {address}{flags}")
         print(f"llmserve serve: router listening on {address}", flush=True)
 
@@ -261,8 +262,11 @@ def _run_cluster(args: argparse.Namespace, model: Path, log_dir: Path, stop: thr
         return 0
     except ChildFailed as exc:  # during start-up: fail fast
         child = exc.child
-        print(f"llmserve serve: {exc}; last lines of its log ({child.log_path}):\n{child.tail()}",
-              file=sys.stderr, flush=True)
+        print(
+            f"llmserve serve: {exc}; last lines of its log ({child.log_path}):\n{child.tail()}",
+            file=sys.stderr,
+            flush=True,
+        )
         stop_all(args.shutdown_grace, but=child)
         child.kill()
         return 1

@@ -24,6 +24,7 @@ every child is kept in ``pid_file`` (JSON, rewritten at each start) for operator
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -121,10 +122,8 @@ class Child:
 
     def signal(self, sig: int) -> None:
         if self.alive():
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 self.proc.send_signal(sig)
-            except ProcessLookupError:
-                pass
 
     def kill(self) -> None:
         if self.alive():

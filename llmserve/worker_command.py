@@ -92,8 +92,8 @@ async def _serve(args: argparse.Namespace, security: ServerSecurity) -> int:
     leader = None
     engine_loop = None
     if size > 1:
-        from worker_svc.cli_args import engine_argv
         from llmserve import parent_death
+        from worker_svc.cli_args import engine_argv
         from worker_svc.tp_heartbeat import new_secret
         from worker_svc.tp_worker import TPLeader, spawn_follower_processes
 
@@ -173,7 +173,8 @@ def _tp_secret(args: argparse.Namespace, environ) -> bytes | None:
             with os.fdopen(int(inherited), "rb") as pipe:
                 return check_secret(pipe.read())
         except (OSError, ValueError) as exc:
-            raise ValueError(f"cannot read the tp group secret from the leader's pipe ({SECRET_FD_ENV}): {exc}") from None
+            raise ValueError(
+                f"cannot read the tp group secret from the leader's pipe ({SECRET_FD_ENV}): {exc}") from None
     if args.tp_secret_file:
         try:
             return check_secret(Path(args.tp_secret_file).read_bytes().strip())
@@ -247,29 +248,47 @@ def run(args: argparse.Namespace) -> int:
         return 1
 
 
-def add_worker_limit_args(g: "argparse._ArgumentGroup") -> None:
+def add_worker_limit_args(g: argparse._ArgumentGroup) -> None:
     """The worker's backpressure, stall detection and heap policy (docs/reliability.md); `serve`
     passes them on to its workers (worker_limit_argv)."""
-    g.add_argument("--step-stall-timeout", type=positive_seconds, default=120.0, metavar="S",
-                   help="with work pending, no engine step completing for this long makes the worker unhealthy "
-                   "(NOT_SERVING, new requests UNAVAILABLE)")
-    g.add_argument("--malloc-mmap-threshold", type=count, default=0, metavar="BYTES",
-                   help="fix glibc's mmap threshold at BYTES (at most 32 MiB, e.g. 4194304): per-step temporaries "
-                   "above it go back to the kernel when freed, so RSS stays flat under traffic of changing "
-                   "shapes, at the cost of system CPU time (mmap, page faults). Default 0: glibc's self-raising "
-                   "threshold, faster, RSS rises to a plateau (worker_svc/native_memory.py)")
-    g.add_argument("--max-queued-requests", type=count, default=1024, metavar="N",
-                   help="at most N requests (samples) wait beyond the --max-running-requests slots; a Generate "
-                   "that would exceed it is refused at once with RESOURCE_EXHAUSTED")
+    g.add_argument(
+        "--step-stall-timeout",
+        type=positive_seconds,
+        default=120.0,
+        metavar="S",
+        help="with work pending, no engine step completing for this long makes the worker unhealthy "
+        "(NOT_SERVING, new requests UNAVAILABLE)",
+    )
+    g.add_argument(
+        "--malloc-mmap-threshold",
+        type=count,
+        default=0,
+        metavar="BYTES",
+        help="fix glibc's mmap threshold at BYTES (at most 32 MiB, e.g. 4194304): per-step temporaries "
+        "above it go back to the kernel when freed, so RSS stays flat under traffic of changing "
+        "shapes, at the cost of system CPU time (mmap, page faults). Default 0: glibc's self-raising "
+        "threshold, faster, RSS rises to a plateau (worker_svc/native_memory.py)",
+    )
+    g.add_argument(
+        "--max-queued-requests",
+        type=count,
+        default=1024,
+        metavar="N",
+        help="at most N requests (samples) wait beyond the --max-running-requests slots; a Generate "
+        "that would exceed it is refused at once with RESOURCE_EXHAUSTED",
+    )
 
 
 def worker_limit_argv(args: argparse.Namespace) -> list[str]:
     """The flags of add_worker_limit_args as a command line (serve -> worker)."""
-    return [f"--step-stall-timeout={args.step_stall_timeout}", f"--malloc-mmap-threshold={args.malloc_mmap_threshold}",
-            f"--max-queued-requests={args.max_queued_requests}"]
+    return [
+        f"--step-stall-timeout={args.step_stall_timeout}",
+        f"--malloc-mmap-threshold={args.malloc_mmap_threshold}",
+        f"--max-queued-requests={args.max_queued_requests}",
+    ]
 
 
-def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser(
         "worker",
         help="serve one model worker (sglang.grpc.scheduler.SglangScheduler + grpc.health.v1)",
@@ -290,35 +309,82 @@ def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") 
         "it cannot open may try a model hub). A path valid on the gateway host lets it load the "
         "tokenizer itself; smg 1.13 given a path it cannot find fetches the tokenizer with GetTokenizer",
     )
-    g.add_argument("--health-probe-timeout", type=float, default=20.0, metavar="S",
-                   help="seconds the idle health check's one-token generation may take")
-    g.add_argument("--shutdown-grace", type=float, default=5.0, metavar="S",
-                   help="seconds in-flight calls may run on after SIGTERM before they are aborted")
+    g.add_argument(
+        "--health-probe-timeout",
+        type=float,
+        default=20.0,
+        metavar="S",
+        help="seconds the idle health check's one-token generation may take",
+    )
+    g.add_argument(
+        "--shutdown-grace",
+        type=float,
+        default=5.0,
+        metavar="S",
+        help="seconds in-flight calls may run on after SIGTERM before they are aborted",
+    )
     add_worker_limit_args(g)
     g.add_argument("--debug-step-delay", type=float, default=0.0, metavar="S", help=argparse.SUPPRESS)
     g.add_argument("--log-json", action="store_true", help="JSON log lines")
     g.add_argument("--log-level", choices=LOG_LEVELS, default="info")
-    add_server_args(p.add_argument_group("security (rank 0's SglangScheduler port)"), "--internal-token-file",
-                    "refuse Generate, Abort, HealthCheck, FlushCache, GetTokenizer ... without this file's "
-                    "token (the router's --internal-token-file); grpc.health.v1, GetModelInfo, GetServerInfo "
-                    "and GetLoads stay open")
+    add_server_args(
+        p.add_argument_group("security (rank 0's SglangScheduler port)"),
+        "--internal-token-file",
+        "refuse Generate, Abort, HealthCheck, FlushCache, GetTokenizer ... without this file's "
+        "token (the router's --internal-token-file); grpc.health.v1, GetModelInfo, GetServerInfo "
+        "and GetLoads stay open",
+    )
     t = p.add_argument_group("tensor parallelism")
-    t.add_argument("--tp", "--tp-size", dest="tp_size", type=int, default=1, metavar="N",
-                   help="tensor-parallel ranks. Without --dist-init-addr, this process is rank 0 and starts "
-                   "ranks 1..N-1 itself on this machine")
-    t.add_argument("--tp-rank", type=int, default=0, metavar="R",
-                   help="this process's rank (one process per rank, e.g. one container each); 0 serves gRPC")
-    t.add_argument("--dist-init-addr", default=None, metavar="HOST:PORT",
-                   help="rank 0's rendezvous address (every rank passes the same one)")
-    t.add_argument("--tp-timeout", type=float, default=15.0, metavar="S",
-                   help="a dead or hung rank is detected within this many seconds (heartbeat and collective timeout)")
-    t.add_argument("--tp-connect-timeout", type=float, default=300.0, metavar="S",
-                   help="how long ranks wait for each other at start-up (rendezvous and model load)")
-    t.add_argument("--tp-fault-exit-delay", type=_delay_seconds, default=1.0, metavar="S",
-                   help="rank 0: once the group breaks (a rank died or hung), answer NOT_SERVING for S seconds, "
-                   "then exit 1 so a supervisor restarts the group (default 1; inf: stay up until signalled)")
-    t.add_argument("--tp-secret-file", default=None, metavar="PATH",
-                   help="one process per rank: a file (mode 0600) holding the group's heartbeat secret, the same "
-                   "for every rank (at least 16 bytes). --tp N without --dist-init-addr makes its own")
+    t.add_argument(
+        "--tp",
+        "--tp-size",
+        dest="tp_size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="tensor-parallel ranks. Without --dist-init-addr, this process is rank 0 and starts "
+        "ranks 1..N-1 itself on this machine",
+    )
+    t.add_argument(
+        "--tp-rank",
+        type=int,
+        default=0,
+        metavar="R",
+        help="this process's rank (one process per rank, e.g. one container each); 0 serves gRPC",
+    )
+    t.add_argument(
+        "--dist-init-addr",
+        default=None,
+        metavar="HOST:PORT",
+        help="rank 0's rendezvous address (every rank passes the same one)",
+    )
+    t.add_argument(
+        "--tp-timeout",
+        type=float,
+        default=15.0,
+        metavar="S",
+        help="a dead or hung rank is detected within this many seconds (heartbeat and collective timeout)",
+    )
+    t.add_argument(
+        "--tp-connect-timeout",
+        type=float,
+        default=300.0,
+        metavar="S",
+        help="how long ranks wait for each other at start-up (rendezvous and model load)",
+    )
+    t.add_argument(
+        "--tp-fault-exit-delay",
+        type=_delay_seconds,
+        default=1.0,
+        metavar="S",
+        help="rank 0: once the group breaks (a rank died or hung), answer NOT_SERVING for S seconds, "
+        "then exit 1 so a supervisor restarts the group (default 1; inf: stay up until signalled)",
+    )
+    t.add_argument(
+        "--tp-secret-file",
+        default=None,
+        metavar="PATH",
+        help="one process per rank: a file (mode 0600) holding the group's heartbeat secret, the same "
+        "for every rank (at least 16 bytes). --tp N without --dist-init-addr makes its own",
+    )
     p.set_defaults(func=run)
-

@@ -8,6 +8,8 @@ no locking is needed.
 
 from __future__ import annotations
 
+import contextlib
+
 import grpc
 
 from llmserve.v1 import tokenizer_pb2 as tpb
@@ -56,10 +58,8 @@ class StreamDetokenizer:
     async def close(self) -> None:
         """Half-close after a normal end (the server then finishes the call)."""
         if self._call is not None and not self._call.done():
-            try:
+            with contextlib.suppress(grpc.aio.AioRpcError, grpc.aio.UsageError):
                 await self._call.done_writing()
-            except (grpc.aio.AioRpcError, grpc.aio.UsageError):
-                pass
 
     def cancel(self) -> None:
         """Drop the call (the request was cancelled or failed); synchronous, safe in `finally`."""

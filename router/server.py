@@ -24,6 +24,7 @@ Details in router/README.md.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
@@ -39,6 +40,7 @@ from grpc_reflection.v1alpha import reflection
 from smg_grpc_proto import sglang_scheduler_pb2 as spb
 
 from llmserve.grpc_listen import grpc_address, listen
+from llmserve.grpc_wire import InvalidRequest, tolerant
 from llmserve.logging import get_logger, request_context
 from llmserve.message_limits import message_size_options
 from llmserve.security import HEALTH_METHODS, ChannelSecurity, ServerSecurity, current_identity
@@ -47,12 +49,17 @@ from llmserve.v1 import tokenizer_pb2 as tpb
 from llmserve.v1 import tokenizer_pb2_grpc as tpb_grpc
 from router.admission import ANONYMOUS, Admission
 from router.detok import DetokenizeError, StreamDetokenizer
-from router.limits import (RequestLimits, check_messages, check_sampling_limits, validate_model_name,
-                           validate_request_id)
+from router.limits import RequestLimits, check_messages, check_sampling_limits, validate_model_name, validate_request_id
 from router.stops import StopStringMatcher
-from router.validation import (ModelFacts, RouterError, check_fits, invalid, validate_model, validate_sampling,
-                               validate_token_ids)
-from llmserve.grpc_wire import InvalidRequest, tolerant
+from router.validation import (
+    ModelFacts,
+    RouterError,
+    check_fits,
+    invalid,
+    validate_model,
+    validate_sampling,
+    validate_token_ids,
+)
 from router.workers import CHANNEL_OPTIONS, NoHealthyGroup, PoolOptions, WorkerGroup, WorkerPool
 
 log = get_logger(__name__)
@@ -141,7 +148,8 @@ def _token_logprobs(olp: spb.OutputLogProbs, start: int, count: int, top: bool) 
         entry = pb.TokenLogprob(token_id=olp.token_ids[k], logprob=olp.token_logprobs[k])
         if top and k < len(olp.top_logprobs):
             row = olp.top_logprobs[k]
-            entry.top_logprobs.extend(pb.TopLogprob(token_id=t, logprob=v) for v, t in zip(row.values, row.token_ids))
+            entry.top_logprobs.extend(
+                pb.TopLogprob(token_id=t, logprob=v) for v, t in zip(row.values, row.token_ids, strict=True))
         out.append(entry)
     return out
 
@@ -162,18 +170,24 @@ class _Run:
         self._armed = False
         self.interrupt_reason: str | None = None
         self.seqs = [_Seq(i, StopStringMatcher(plan.stops, plan.include_stop)) for i in range(plan.n)]
-        self.detok = StreamDetokenizer(router.tok_stub, plan.request_id, plan.skip_special_tokens,
-                                       timeout=plan.remaining())
+        self.detok = StreamDetokenizer(
+            router.tok_stub, plan.request_id, plan.skip_special_tokens, timeout=plan.remaining()
+        )
         self.first_response_at: float | None = None
 
     def _usage(self, s: _Seq) -> pb.Usage:
-        return pb.Usage(prompt_tokens=s.prompt_tokens or len(self.plan.prompt_ids),
-                        completion_tokens=len(s.ids), cached_tokens=s.cached_tokens)
+        return pb.Usage(
+            prompt_tokens=s.prompt_tokens or len(self.plan.prompt_ids),
+            completion_tokens=len(s.ids),
+            cached_tokens=s.cached_tokens,
+        )
 
-    def _response(self, s: _Seq, text: str, ids: list[int], logprobs: list[pb.TokenLogprob],
-                  finish: pb.Finish | None = None) -> pb.GenerateResponse:
-        resp = pb.GenerateResponse(index=s.index, text=text, token_ids=ids, logprobs=logprobs,
-                                   request_id=self.plan.request_id)
+    def _response(
+        self, s: _Seq, text: str, ids: list[int], logprobs: list[pb.TokenLogprob], finish: pb.Finish | None = None
+    ) -> pb.GenerateResponse:
+        resp = pb.GenerateResponse(
+            index=s.index, text=text, token_ids=ids, logprobs=logprobs, request_id=self.plan.request_id
+        )
         if finish is not None:
             resp.finish.CopyFrom(finish)
         return resp
@@ -244,9 +258,12 @@ class _Run:
         plan = self.plan
         s.prompt_tokens, s.cached_tokens = c.prompt_tokens, c.cached_tokens
         # Ids the chunks did not carry (a worker that does not stream): send them now.
-        extra = list(c.output_ids[len(s.ids):])
-        lps = (_token_logprobs(c.output_logprobs, len(s.ids), len(extra), plan.top_logprobs > 0)
-               if plan.logprobs and extra else [])
+        extra = list(c.output_ids[len(s.ids) :])
+        lps = (
+            _token_logprobs(c.output_logprobs, len(s.ids), len(extra), plan.top_logprobs > 0)
+            if plan.logprobs and extra
+            else []
+        )
         which = c.WhichOneof("matched_stop")
         stop_token = c.matched_token_id if which == "matched_token_id" else None
         drop = stop_token if c.finish_reason == "stop" and not plan.include_stop else None
@@ -272,8 +289,9 @@ class _Run:
         for s in self.seqs:
             if not s.finished:
                 s.finished = True
-                out.append(self._response(s, "", [], [], pb.Finish(reason="abort", message=message,
-                                                                    usage=self._usage(s))))
+                out.append(
+                    self._response(s, "", [], [], pb.Finish(reason="abort", message=message, usage=self._usage(s)))
+                )
         return out
 
     async def stream(self) -> AsyncIterator[pb.GenerateResponse]:
@@ -368,8 +386,9 @@ class _Run:
                         log.warning("worker sent an index out of range", index=index, n=plan.n)
                         continue
                     s = self.seqs[index]
-                    resp = await (self._on_chunk(s, msg.chunk) if kind == "chunk"
-                                  else self._on_complete(s, msg.complete))
+                    resp = await (
+                        self._on_chunk(s, msg.chunk) if kind == "chunk" else self._on_complete(s, msg.complete)
+                    )
                     if resp is None:
                         continue
                     if self.first_response_at is None:
@@ -379,8 +398,10 @@ class _Run:
                         return
         except TimeoutError:
             timeout = self.router.options.stream_timeout
-            raise _Interrupted(self.interrupt_reason or f"worker group {self.group.index} sent nothing for "
-                                                        f"{timeout:g} s (--stream-timeout)") from None
+            raise _Interrupted(
+                self.interrupt_reason
+                or f"worker group {self.group.index} sent nothing for {timeout:g} s (--stream-timeout)"
+            ) from None
         finally:
             self._idle = None
         if not all(s.finished for s in self.seqs):
@@ -413,10 +434,18 @@ class RouterServicer:
         self.tok_info: tpb.GetInfoResponse | None = None
         self.tok_healthy = False
         self.tok_reason = "not probed yet"
-        self.pool = WorkerPool(options.workers, PoolOptions(
-            policy=options.policy, probe_interval=options.probe_interval, health_every=options.health_every,
-            probe_timeout=options.probe_timeout, prefix_tokens=options.prefix_tokens),
-            on_change=self._update_health, security=options.internal_security)
+        self.pool = WorkerPool(
+            options.workers,
+            PoolOptions(
+                policy=options.policy,
+                probe_interval=options.probe_interval,
+                health_every=options.health_every,
+                probe_timeout=options.probe_timeout,
+                prefix_tokens=options.prefix_tokens,
+            ),
+            on_change=self._update_health,
+            security=options.internal_security,
+        )
         self._task: asyncio.Task | None = None
         self._serving: bool | None = None
         self.admission = Admission(options.max_concurrent_requests, options.max_requests_per_client)
@@ -436,10 +465,8 @@ class RouterServicer:
     async def close(self) -> None:
         if self._task is not None:
             self._task.cancel()
-            try:
+            with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-            except asyncio.CancelledError:
-                pass
         await self.pool.close()
         await self.tok_channel.close()
 
@@ -458,8 +485,11 @@ class RouterServicer:
         except grpc.aio.AioRpcError as exc:
             ok, reason = False, f"{exc.code().name}: {exc.details()}"
         if ok != self.tok_healthy:
-            (log.info if ok else log.warning)("tokenizer service " + ("serving" if ok else "not serving"),
-                                             address=self.options.tokenizer, reason=reason)
+            (log.info if ok else log.warning)(
+                "tokenizer service " + ("serving" if ok else "not serving"),
+                address=self.options.tokenizer,
+                reason=reason,
+            )
         self.tok_healthy, self.tok_reason = ok, reason
         self._update_health()
 
@@ -506,10 +536,13 @@ class RouterServicer:
 
     # ---- tokenizer calls -------------------------------------------------------------------------
 
-    async def _encode(self, req: tpb.EncodeRequest, request_id: str, context,
-                      field_prefix: str | None = None) -> tpb.EncodeResponse:
+    async def _encode(
+        self, req: tpb.EncodeRequest, request_id: str, context, field_prefix: str | None = None
+    ) -> tpb.EncodeResponse:
         timeout = context.time_remaining()
-        timeout = min(timeout, self.options.tokenizer_timeout) if timeout is not None else self.options.tokenizer_timeout
+        timeout = (
+            min(timeout, self.options.tokenizer_timeout) if timeout is not None else self.options.tokenizer_timeout
+        )
         try:
             return await self.tok_stub.Encode(req, timeout=timeout, metadata=(("x-request-id", request_id),))
         except grpc.aio.AioRpcError as exc:
@@ -541,8 +574,7 @@ class RouterServicer:
         validate_request_id(header_id, limits, "x-request-id")
         return body_id or header_id or uuid.uuid4().hex
 
-    def _plan(self, request_id: str, prompt_ids: list[int], sp: pb.SamplingParams,
-              facts: ModelFacts, context) -> _Plan:
+    def _plan(self, request_id: str, prompt_ids: list[int], sp: pb.SamplingParams, facts: ModelFacts, context) -> _Plan:
         wsp = spb.SamplingParams(
             temperature=sp.temperature if sp.HasField("temperature") else 1.0,
             top_p=sp.top_p or 1.0,
@@ -576,11 +608,19 @@ class RouterServicer:
         if not sp.ignore_eos:
             stop_ids.update(facts.eos_token_ids)
         return _Plan(
-            request_id=request_id, prompt_ids=prompt_ids, worker_request=worker_request, n=sp.n if sp.HasField("n") else 1,
+            request_id=request_id,
+            prompt_ids=prompt_ids,
+            worker_request=worker_request,
+            n=sp.n if sp.HasField("n") else 1,
             max_new_tokens=sp.max_new_tokens if sp.HasField("max_new_tokens") else None,
-            min_new_tokens=sp.min_new_tokens, stops=tuple(sp.stop), include_stop=sp.include_stop_str_in_output,
-            skip_special_tokens=wsp.skip_special_tokens, stop_ids=frozenset(stop_ids), logprobs=want_logprobs,
-            top_logprobs=sp.top_logprobs, context=context,
+            min_new_tokens=sp.min_new_tokens,
+            stops=tuple(sp.stop),
+            include_stop=sp.include_stop_str_in_output,
+            skip_special_tokens=wsp.skip_special_tokens,
+            stop_ids=frozenset(stop_ids),
+            logprobs=want_logprobs,
+            top_logprobs=sp.top_logprobs,
+            context=context,
         )
 
     def _check_limits(self, model: str, sp: pb.SamplingParams) -> None:
@@ -601,8 +641,9 @@ class RouterServicer:
             if not request.text:
                 raise invalid("text", "the prompt must not be empty")
             add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
-            enc = await self._encode(tpb.EncodeRequest(text=request.text, add_special_tokens=add_special),
-                                     request_id, context)
+            enc = await self._encode(
+                tpb.EncodeRequest(text=request.text, add_special_tokens=add_special), request_id, context
+            )
             ids, text = list(enc.token_ids), request.text
             if not ids:
                 raise invalid("text", "the prompt encodes to no tokens")
@@ -631,8 +672,11 @@ class RouterServicer:
                 raise invalid(f"messages[{i}].role", "must not be empty")
         validate_sampling(sp, facts)
         if self.tok_info is not None and not self.tok_info.has_chat_template:
-            raise RouterError(grpc.StatusCode.FAILED_PRECONDITION,
-                              "messages: this model's tokenizer has no chat template (use Generate)", "messages")
+            raise RouterError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "messages: this model's tokenizer has no chat template (use Generate)",
+                "messages",
+            )
         add_gen = request.add_generation_prompt if request.HasField("add_generation_prompt") else True
         conv = tpb.Conversation(messages=request.messages, add_generation_prompt=add_gen)
         enc = await self._encode(tpb.EncodeRequest(chat=conv), request_id, context, field_prefix="")
@@ -656,8 +700,9 @@ class RouterServicer:
                 detail = f"; this request failed on: {' | '.join(failures)}" if failures else ""
                 raise RouterError(grpc.StatusCode.UNAVAILABLE, f"{exc}{detail}") from None
             tried.add(group.index)
-            log.info("generate routed", group=group.index, prompt_tokens=len(plan.prompt_ids), n=plan.n,
-                     attempt=len(tried))
+            log.info(
+                "generate routed", group=group.index, prompt_tokens=len(plan.prompt_ids), n=plan.n, attempt=len(tried)
+            )
             run = _Run(self, group, plan)
             finishes: list[pb.Finish] = []
             try:
@@ -670,11 +715,14 @@ class RouterServicer:
                 log.warning("worker group failed before the first token; retrying elsewhere", error=str(exc))
                 continue
             first = run.first_response_at
-            log.info("generate finished", group=group.index,
-                     finish_reasons=[f.reason for f in finishes],
-                     completion_tokens=sum(f.usage.completion_tokens for f in finishes),
-                     duration_s=round(time.monotonic() - plan.received, 4),
-                     ttft_s=round(first - plan.received, 4) if first else None)
+            log.info(
+                "generate finished",
+                group=group.index,
+                finish_reasons=[f.reason for f in finishes],
+                completion_tokens=sum(f.usage.completion_tokens for f in finishes),
+                duration_s=round(time.monotonic() - plan.received, 4),
+                ttft_s=round(first - plan.received, 4) if first else None,
+            )
             return
 
     def _identity(self, context) -> str:
@@ -737,8 +785,9 @@ class RouterServicer:
             which = request.WhichOneof("input")
             if which == "text":
                 add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
-                enc = await self._encode(tpb.EncodeRequest(text=request.text, add_special_tokens=add_special),
-                                         request_id, context)
+                enc = await self._encode(
+                    tpb.EncodeRequest(text=request.text, add_special_tokens=add_special), request_id, context
+                )
             elif which == "chat":
                 enc = await self._encode(tpb.EncodeRequest(chat=request.chat), request_id, context)
             else:
@@ -755,7 +804,9 @@ class RouterServicer:
             try:
                 resp = await self.tok_stub.Decode(
                     tpb.DecodeRequest(token_ids=request.token_ids, skip_special_tokens=request.skip_special_tokens),
-                    timeout=self.options.tokenizer_timeout, metadata=(("x-request-id", request_id),))
+                    timeout=self.options.tokenizer_timeout,
+                    metadata=(("x-request-id", request_id),),
+                )
             except grpc.aio.AioRpcError as exc:
                 raise self._tokenizer_error(exc, None) from None
             return pb.DetokenizeResponse(text=resp.text)
@@ -768,9 +819,13 @@ class RouterServicer:
             validate_model(request.model, facts)
             tok = self.tok_info
             resp = pb.GetModelInfoResponse(
-                model=facts.name, vocab_size=facts.vocab_size, context_length=facts.context_limit,
-                eos_token_ids=facts.eos_token_ids, has_chat_template=tok.has_chat_template,
-                num_worker_groups=len(self.pool.groups))
+                model=facts.name,
+                vocab_size=facts.vocab_size,
+                context_length=facts.context_limit,
+                eos_token_ids=facts.eos_token_ids,
+                has_chat_template=tok.has_chat_template,
+                num_worker_groups=len(self.pool.groups),
+            )
             if tok.HasField("bos_token_id"):
                 resp.bos_token_id = tok.bos_token_id
             return resp
@@ -788,13 +843,16 @@ class RouterServicer:
     def handlers(self) -> dict[str, grpc.RpcMethodHandler]:
         """Method handlers whose deserializers turn unparseable requests (e.g. invalid UTF-8 in a
         string field) into INVALID_ARGUMENT instead of grpcio's UNKNOWN (llmserve/grpc_wire.py)."""
+
         def stream(fn, req, resp):
-            return grpc.unary_stream_rpc_method_handler(fn, request_deserializer=tolerant(req),
-                                                        response_serializer=resp.SerializeToString)
+            return grpc.unary_stream_rpc_method_handler(
+                fn, request_deserializer=tolerant(req), response_serializer=resp.SerializeToString
+            )
 
         def unary(fn, req, resp):
-            return grpc.unary_unary_rpc_method_handler(fn, request_deserializer=tolerant(req),
-                                                       response_serializer=resp.SerializeToString)
+            return grpc.unary_unary_rpc_method_handler(
+                fn, request_deserializer=tolerant(req), response_serializer=resp.SerializeToString
+            )
 
         return {
             "Generate": stream(self.Generate, pb.GenerateRequest, pb.GenerateResponse),
@@ -854,14 +912,18 @@ _OPEN_METHODS = HEALTH_METHODS
 _ADMIN_METHODS = frozenset({f"/{SERVICE_NAME}/ListWorkers"})
 
 
-async def start_router(options: RouterOptions, host: str = "127.0.0.1", port: int = 0,
-                       security: ServerSecurity = ServerSecurity()) -> RunningRouter:
+async def start_router(
+    options: RouterOptions, host: str = "127.0.0.1", port: int = 0, security: ServerSecurity = ServerSecurity()
+) -> RunningRouter:
     """`security`: TLS of the public port and the client tokens it accepts (llmserve/security.py)."""
-    server = grpc.aio.server(options=[
-        ("grpc.so_reuseport", 0),  # a second router on the same port fails instead of sharing it
-        *message_size_options(),  # the same bound on every service and channel
-    ], maximum_concurrent_rpcs=_backstop_rpcs(options),
-        interceptors=security.interceptors(_OPEN_METHODS, _ADMIN_METHODS, realm="router"))
+    server = grpc.aio.server(
+        options=[
+            ("grpc.so_reuseport", 0),  # a second router on the same port fails instead of sharing it
+            *message_size_options(),  # the same bound on every service and channel
+        ],
+        maximum_concurrent_rpcs=_backstop_rpcs(options),
+        interceptors=security.interceptors(_OPEN_METHODS, _ADMIN_METHODS, realm="router"),
+    )
     health_servicer = health.aio.HealthServicer()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, _NOT_SERVING)
@@ -877,14 +939,23 @@ async def start_router(options: RouterOptions, host: str = "127.0.0.1", port: in
     return RunningRouter(server, bound, servicer, health_servicer)
 
 
-async def _serve(options: RouterOptions, host: str, port: int, port_file: str | None, grace: float,
-                 security: ServerSecurity) -> int:
+async def _serve(
+    options: RouterOptions, host: str, port: int, port_file: str | None, grace: float, security: ServerSecurity
+) -> int:
     running = await start_router(options, host, port, security)
     internal = options.internal_security
-    log.info("router listening", address=grpc_address(host, running.port), tokenizer=options.tokenizer,
-             workers=list(options.workers), policy=options.policy, tls=security.tls is not None,
-             mtls=security.tls is not None and security.tls.mutual, auth=security.tokens is not None,
-             internal_tls=internal.tls is not None, internal_token=internal.token is not None)
+    log.info(
+        "router listening",
+        address=grpc_address(host, running.port),
+        tokenizer=options.tokenizer,
+        workers=list(options.workers),
+        policy=options.policy,
+        tls=security.tls is not None,
+        mtls=security.tls is not None and security.tls.mutual,
+        auth=security.tokens is not None,
+        internal_tls=internal.tls is not None,
+        internal_token=internal.token is not None,
+    )
     if port_file:
         tmp = Path(f"{port_file}.tmp")
         tmp.write_text(f"{running.port}\n")
@@ -899,7 +970,13 @@ async def _serve(options: RouterOptions, host: str, port: int, port_file: str | 
     return 0
 
 
-def serve(options: RouterOptions, host: str = "127.0.0.1", port: int = 0, port_file: str | None = None,
-          grace: float = 5.0, security: ServerSecurity = ServerSecurity()) -> int:
+def serve(
+    options: RouterOptions,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    port_file: str | None = None,
+    grace: float = 5.0,
+    security: ServerSecurity = ServerSecurity(),
+) -> int:
     """Serve until SIGINT or SIGTERM, then stop gracefully and return 0."""
     return asyncio.run(_serve(options, host, port, port_file, grace, security))

@@ -21,6 +21,7 @@ Policies (`pick`), over serving groups only:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import itertools
 import time
@@ -149,10 +150,8 @@ class WorkerPool:
     async def close(self) -> None:
         if self._task is not None:
             self._task.cancel()
-            try:
+            with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-            except asyncio.CancelledError:
-                pass
         if self._background:  # Aborts in flight (e.g. of streams ended by shutdown) get delivered
             await asyncio.wait(list(self._background), timeout=self.options.probe_timeout)
         for g in self.groups:
@@ -237,16 +236,19 @@ class WorkerPool:
             # The client is told each group's state; the reasons (which name internal addresses)
             # go to the log only.
             log.warning("no healthy worker group", groups={g.index: f"{g.address}: {g.reason}" for g in self.groups})
-            states = ", ".join(f"group {g.index}: {pb.WorkerHealth.Name(g.health).removeprefix('WORKER_HEALTH_').lower()}"
-                               for g in self.groups)
+            states = ", ".join(
+                f"group {g.index}: {pb.WorkerHealth.Name(g.health).removeprefix('WORKER_HEALTH_').lower()}"
+                for g in self.groups
+            )
             raise NoHealthyGroup(f"no healthy worker group ({states})")
         policy = self.options.policy
         if policy == "round_robin" or len(candidates) == 1:
             return candidates[next(self._rr) % len(candidates)]
         if policy == "prefix":
             key = b",".join(str(t).encode() for t in prompt_ids[: self.options.prefix_tokens])
-            return max(candidates, key=lambda g: hashlib.blake2b(key + b"@" + g.address.encode(),
-                                                                  digest_size=8).digest())
+            return max(
+                candidates, key=lambda g: hashlib.blake2b(key + b"@" + g.address.encode(), digest_size=8).digest()
+            )
         # least_load: rotate the start so ties spread round robin.
         start = next(self._rr) % len(candidates)
         rotated = candidates[start:] + candidates[:start]
@@ -260,8 +262,11 @@ class WorkerPool:
 
         async def send() -> None:
             try:
-                await g.stub.Abort(spb.AbortRequest(request_id=request_id, reason=reason),
-                                   timeout=self.options.probe_timeout, metadata=(("x-request-id", request_id),))
+                await g.stub.Abort(
+                    spb.AbortRequest(request_id=request_id, reason=reason),
+                    timeout=self.options.probe_timeout,
+                    metadata=(("x-request-id", request_id),),
+                )
             except grpc.aio.AioRpcError as exc:
                 log.debug("abort not delivered", group=g.index, code=exc.code().name)
 

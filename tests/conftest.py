@@ -82,3 +82,16 @@ def real_model() -> Path:
         except FetchError as exc:
             pytest.fail(f"the real model is not in {folder} and could not be fetched: {exc}")
     return folder
+
+
+@pytest.fixture(scope="session")
+def tok_dir(model_factory: ModelFactory) -> Path:
+    """The tiny model's folder, for tests that need only its tokenizer."""
+    return model_factory("tiny")
+
+
+@pytest.fixture(scope="session")
+def tok(tok_dir: Path):
+    from tokenizer_svc.tokenizer import ModelTokenizer
+
+    return ModelTokenizer.from_dir(tok_dir)

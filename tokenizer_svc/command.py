@@ -28,7 +28,6 @@ def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") 
 
 def _run(args: argparse.Namespace) -> int:
     from llmserve.logging import configure_logging
-
     from llmserve.security import SecurityConfigError
     from llmserve.security_args import server_security_from_args
 

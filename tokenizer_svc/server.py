@@ -18,9 +18,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from llmserve.message_limits import message_size_options
 from llmserve.grpc_listen import grpc_address, listen
 from llmserve.logging import get_logger, request_context
+from llmserve.message_limits import message_size_options
 from llmserve.security import HEALTH_METHODS, ServerSecurity
 from llmserve.v1 import tokenizer_pb2 as pb
 from llmserve.v1 import tokenizer_pb2_grpc as pb_grpc

@@ -162,4 +162,5 @@ class CallRegistry:
 
     def abort(self, loop: EngineLoop, label: str, reason: str, detail: str | None = None) -> int:
         """Abort what runs under ``label``; returns how many engine requests were asked to stop."""
-        return sum(call.abort(loop, call.indices(label), reason, detail) for call in list(self._by_label.get(label, ())))
+        calls = list(self._by_label.get(label, ()))
+        return sum(call.abort(loop, call.indices(label), reason, detail) for call in calls)

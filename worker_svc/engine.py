@@ -69,7 +69,7 @@ class Engine:
         per_prompt = params if isinstance(params, list) else [params] * len(prompts)
         reqs = [
             self.submit(prompt, p if i == 0 or p.seed is None else dataclasses.replace(p, seed=p.seed + i), rid=None)
-            for prompt, p in zip(prompts, per_prompt)
+            for prompt, p in zip(prompts, per_prompt, strict=True)
             for i in range(p.n)
         ]
         self.run_until_idle()

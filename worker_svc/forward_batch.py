@@ -28,7 +28,7 @@ class ForwardBatch:
     prefix_lens: list[int]  # per request: tokens already cached before this step
     req_to_token: torch.Tensor  # [max_requests, max_context + 1] table shared with the scheduler
     kv_pool: Any  # MHAKVPool (or the MLA latent pool)
-    attn_backend: "AttentionBackend"
+    attn_backend: AttentionBackend
     attn_metadata: Any = field(default=None)  # filled by attn_backend.prepare()
     all_logits: bool = False  # EXTEND: logits at every new token (teacher-forced scoring), not only the last
 
@@ -39,7 +39,7 @@ class ForwardBatch:
 
     @property
     def extend_lens(self) -> list[int]:
-        return [s - p for s, p in zip(self.seq_lens, self.prefix_lens)]
+        return [s - p for s, p in zip(self.seq_lens, self.prefix_lens, strict=True)]
 
     def logit_indices(self) -> torch.Tensor:
         """Indices into the packed tokens where logits are taken: each request's final token, or

@@ -127,10 +127,7 @@ def generate_spec(request: pb.GenerateRequest, *, max_seq_len: int, max_n: int) 
     n = sp.n or 1
     if n > max_n:
         raise RequestError("n", f"n: at most {max_n} samples per request (max_running_requests), got {n}")
-    if sp.HasField("max_new_tokens"):
-        max_new = sp.max_new_tokens
-    else:
-        max_new = max(1, max_seq_len - len(prompt))
+    max_new = sp.max_new_tokens if sp.HasField("max_new_tokens") else max(1, max_seq_len - len(prompt))
     custom = json_format.MessageToDict(sp.custom_params) if sp.HasField("custom_params") else {}
     seed = _seed(custom)
     return_logprob = bool(request.return_logprob)

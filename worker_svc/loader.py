@@ -1,7 +1,8 @@
 """Stream checkpoint tensors from safetensors files into a materialised model, shard by shard.
 
 Every tensor is opened lazily (``get_slice``) and handed to the ``weight_loader`` of the module owning
-its parameter, which reads only this rank's slice (plain modules get a full, shape-checked copy). Missing, unexpected-but-needed and mis-shaped tensors fail naming the tensor.
+its parameter, which reads only this rank's slice (plain modules get a full, shape-checked copy).
+Missing, unexpected-but-needed and mis-shaped tensors fail naming the tensor.
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ def load_checkpoint(model: nn.Module, model_dir: str | Path, show_progress: bool
     bar = tqdm(total=len(expected), desc="Loading weights", unit="tensor", disable=not show_progress)
     for path in files:
         with safe_open(str(path), framework="pt", device="cpu") as handle:
-            for name in handle.keys():
+            for name in handle.keys():  # noqa: SIM118 - safe_open is not iterable
                 if name.endswith(_IGNORED_SUFFIXES):
                     continue
                 param_name, shard_id = _target(name, stacked)
@@ -104,5 +105,3 @@ def load_checkpoint(model: nn.Module, model_dir: str | Path, show_progress: bool
     if missing:
         shown = ", ".join(repr(n) for n in missing[:5])
         raise CheckpointError(f"checkpoint in {model_dir} is missing {len(missing)} tensor(s): {shown}")
-
-

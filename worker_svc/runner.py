@@ -18,6 +18,7 @@ from worker_svc.attention.torch_native_mla import TorchNativeMLABackend
 from worker_svc.config import ModelConfig, load_model_config
 from worker_svc.engine_config import EngineConfig
 from worker_svc.forward_batch import ForwardBatch, ForwardMode
+from worker_svc.kvcache import KVSlotAllocator, MHAKVPool, MLAKVPool, ReqToTokenTable
 from worker_svc.layers import cpu_ext
 from worker_svc.layers.cpu_kernels import (
     BlockedUpcastLinear,
@@ -28,7 +29,6 @@ from worker_svc.layers.cpu_kernels import (
 from worker_svc.layers.embedding import ParallelLMHead
 from worker_svc.layers.linear import KernelLinear, embedding_parameter_ids, release_weight
 from worker_svc.layers.norm import RMSNorm
-from worker_svc.kvcache import KVSlotAllocator, MHAKVPool, MLAKVPool, ReqToTokenTable
 from worker_svc.loader import load_checkpoint
 from worker_svc.models.registry import model_class
 from worker_svc.quant import check_alignment, check_runnable, parse_quant_config, quantize_model
@@ -169,7 +169,8 @@ class ModelRunner:
         cfg, mla = self.config, self.config.deepseek
         attn = self.model.model.layers[0].self_attn.attn
         if mla:  # one latent per token per layer, whatever the head count or TP degree
-            per_token = MLAKVPool.bytes_per_token(cfg.num_hidden_layers, mla.kv_lora_rank, mla.qk_rope_head_dim, self.dtype)
+            per_token = MLAKVPool.bytes_per_token(cfg.num_hidden_layers, mla.kv_lora_rank, mla.qk_rope_head_dim,
+                                                  self.dtype)
         else:
             per_token = MHAKVPool.bytes_per_token(cfg.num_hidden_layers, attn.num_kv_heads, cfg.head_dim, self.dtype)
         # Without an explicit size: the memory budget, but never more than every running request can use.
@@ -183,18 +184,28 @@ class ModelRunner:
             elem = torch.empty((), dtype=self.dtype).element_size()
             local_heads = attn.num_heads  # heads on this rank
             self.kv_bytes_per_token_if_mha = (
-                cfg.num_hidden_layers * local_heads * (mla.qk_nope_head_dim + mla.qk_rope_head_dim + mla.v_head_dim) * elem
+                cfg.num_hidden_layers
+                * local_heads
+                * (mla.qk_nope_head_dim + mla.qk_rope_head_dim + mla.v_head_dim)
+                * elem
             )
         if mla:
             self.kv_pool = MLAKVPool(
                 size, cfg.num_hidden_layers, mla.kv_lora_rank, mla.qk_rope_head_dim, self.dtype, self.device
             )
         else:
-            self.kv_pool = MHAKVPool(size, cfg.num_hidden_layers, attn.num_kv_heads, cfg.head_dim, self.dtype, self.device)
+            self.kv_pool = MHAKVPool(
+                size, cfg.num_hidden_layers, attn.num_kv_heads, cfg.head_dim, self.dtype, self.device
+            )
         self.allocator = KVSlotAllocator(size, self.device)
         self.req_table = ReqToTokenTable(self.engine.max_running_requests, self.context_len, self.device)
-        log.info("kv cache ready", max_total_tokens=size, bytes_per_token=per_token,
-                 bytes_per_token_if_mha=self.kv_bytes_per_token_if_mha, kv_bytes=self.kv_pool.nbytes())
+        log.info(
+            "kv cache ready",
+            max_total_tokens=size,
+            bytes_per_token=per_token,
+            bytes_per_token_if_mha=self.kv_bytes_per_token_if_mha,
+            kv_bytes=self.kv_pool.nbytes(),
+        )
 
     @property
     def max_total_tokens(self) -> int:
@@ -207,7 +218,7 @@ class ModelRunner:
             table[step.req_rows, lens - 1] = step.out_slots
             return
         offset = 0
-        for row, prefix, seq in zip(step.req_rows.tolist(), step.prefix_lens, step.seq_lens):
+        for row, prefix, seq in zip(step.req_rows.tolist(), step.prefix_lens, step.seq_lens, strict=True):
             table[row, prefix:seq] = step.out_slots[offset : offset + seq - prefix]
             offset += seq - prefix
 

@@ -285,7 +285,7 @@ class Scheduler:
             top = (sample.top_logprobs[0].tolist(), sample.top_logprobs[1].tolist())
         outputs = []
         now = time.monotonic()
-        for i, (req, token) in enumerate(zip(reqs, tokens)):
+        for i, (req, token) in enumerate(zip(reqs, tokens, strict=True)):
             if req.first_token_time is None:
                 req.first_token_time = now
             req.output_ids.append(token)
@@ -296,7 +296,7 @@ class Scheduler:
                 req.output_logprobs.append(logprobs[i])
                 if top is not None and req.params.top_logprobs_num:
                     k = req.params.top_logprobs_num
-                    new_top = [list(zip(top[0][i][:k], top[1][i][:k]))]
+                    new_top = [list(zip(top[0][i][:k], top[1][i][:k], strict=True))]
                     req.output_top_logprobs.extend(new_top)
             reason, matched = self._check_finish(req, token)
             if reason is not None:

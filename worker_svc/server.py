@@ -20,8 +20,8 @@ step failed.
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import contextlib
+import contextvars
 import importlib.metadata
 import threading
 import time
@@ -32,8 +32,8 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from google.protobuf import json_format, message_factory
 import structlog
+from google.protobuf import json_format, message_factory
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from smg_grpc_proto import sglang_scheduler_pb2 as pb
@@ -98,7 +98,7 @@ def _sink(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, tag: Any) -> Ca
     """A sink for the engine thread: hands (tag, item) to ``queue`` on the server's event loop."""
 
     def put(item: Any) -> None:
-        try:
+        try:  # noqa: SIM105 - per token: cheaper than contextlib.suppress
             loop.call_soon_threadsafe(queue.put_nowait, (tag, item))
         except RuntimeError:  # the event loop is closed: the call is long gone
             pass
@@ -130,7 +130,7 @@ def _refuse_invalid_stream(fn: Callable) -> Callable:
     return handle
 
 
-def add_scheduler_servicer(servicer: "SchedulerServicer", server: grpc.aio.Server) -> None:
+def add_scheduler_servicer(servicer: SchedulerServicer, server: grpc.aio.Server) -> None:
     """Register SglangScheduler like the generated add_..._to_server, with tolerant deserializers."""
     handlers = servicer.handlers()
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
@@ -274,7 +274,7 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
         ending = "call ended early"  # why samples still running when the call ends are aborted
         try:
             try:
-                for state, params in zip(call.states, spec.params):
+                for state, params in zip(call.states, spec.params, strict=True):
                     self.loop.submit(spec.prompt_ids, params, state.rid, _sink(aio_loop, queue, state.index))
                     call.submitted += 1
             except (RequestError, EngineUnavailable) as exc:
@@ -598,10 +598,8 @@ class WorkerServer:
             def mark() -> None:
                 asyncio.ensure_future(health.set_all(_NOT_SERVING))
 
-            try:
+            with contextlib.suppress(RuntimeError):
                 aio_loop.call_soon_threadsafe(mark)
-            except RuntimeError:
-                pass
 
         self.loop.on_failure(on_engine_failure)
         self.loop.start()

@@ -8,8 +8,9 @@ A ``StepInput`` packs into one int64 tensor::
 (mode, n, b, flags), then the payload of
 3n + 3b values. ``STOP`` is a header alone and ends a follower's loop; ``KEEPALIVE`` is a header alone
 that a follower skips (an idle leader sends one every few seconds, so the process group's collective
-timeout can be short and still catch a dead or hung peer while nothing is being generated). Every rank then runs the same
-forward (collectives inside the layers) and computes the same gathered logits; only the leader samples.
+timeout can be short and still catch a dead or hung peer while nothing is being generated). Every rank
+then runs the same forward (collectives inside the layers) and computes the same gathered logits;
+only the leader samples.
 """
 
 from __future__ import annotations
@@ -42,11 +43,17 @@ def pack_step(step: StepInput) -> torch.Tensor:
     def flat(t: torch.Tensor) -> torch.Tensor:
         return t.detach().reshape(-1).to(device="cpu", dtype=torch.int64)
 
-    return torch.cat([
-        torch.tensor([_MODE_CODES[step.mode], n, b, ALL_LOGITS_FLAG if step.all_logits else 0], dtype=torch.int64),
-        flat(step.input_ids), flat(step.positions), flat(step.out_slots), flat(step.req_rows),
-        torch.tensor(step.seq_lens, dtype=torch.int64), torch.tensor(step.prefix_lens, dtype=torch.int64),
-    ])
+    return torch.cat(
+        [
+            torch.tensor([_MODE_CODES[step.mode], n, b, ALL_LOGITS_FLAG if step.all_logits else 0], dtype=torch.int64),
+            flat(step.input_ids),
+            flat(step.positions),
+            flat(step.out_slots),
+            flat(step.req_rows),
+            torch.tensor(step.seq_lens, dtype=torch.int64),
+            torch.tensor(step.prefix_lens, dtype=torch.int64),
+        ]
+    )
 
 
 def unpack_step(packed: torch.Tensor, device: torch.device | str = "cpu") -> StepInput | None:
@@ -233,9 +240,7 @@ def spawn_followers(
     (``join()`` it after stopping the followers)."""
     import torch.multiprocessing as mp
 
-    return mp.spawn(
-        _spawned_follower, args=(size, init_addr, engines, threads, timeout_s), nprocs=size - 1, join=False
-    )
+    return mp.spawn(_spawned_follower, args=(size, init_addr, engines, threads, timeout_s), nprocs=size - 1, join=False)
 
 
 def join_followers(context: Any, timeout_s: float = 60.0) -> None:

@@ -15,6 +15,7 @@ the init address's interface only (loopback for single-machine TP), and hands it
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 from datetime import timedelta
@@ -121,10 +122,8 @@ def open_store(host: str, port: int, size: int, is_master: bool, timeout: timede
         return dist.TCPStore(host.strip("[]"), port, world_size=size, is_master=True, timeout=timeout,
                              wait_for_workers=False, master_listen_fd=fd)
     except BaseException:
-        try:
+        with contextlib.suppress(OSError):  # the store took it and closed it already
             os.close(fd)
-        except OSError:  # the store took it and closed it already
-            pass
         raise
 
 

@@ -21,9 +21,9 @@ the followers, goodbye on the heartbeat, every rank exits 0.
 
 Group secret: the heartbeat handshake proves that a peer holds the group's secret (tp_heartbeat.py).
 In single-machine mode the leader makes a random one and hands it to the followers it starts
-through an inherited pipe (not argv, not the environment: neither ``ps`` nor /proc shows it). With one process per rank every rank
-reads it from ``--tp-secret-file``; without one the leader makes it and publishes it through the
-rendezvous store, which only keeps out peers that cannot reach the store (a warning says so).
+through an inherited pipe (not argv, not the environment: neither ``ps`` nor /proc shows it). With one
+process per rank every rank reads it from ``--tp-secret-file``; without one the leader makes it and
+publishes it through the rendezvous store, which only keeps out peers that cannot reach the store (a warning says so).
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ class TPLeader:
         connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
         children: Sequence[subprocess.Popen] = (),
         secret: bytes | None = None,
-    ) -> "TPLeader":
+    ) -> TPLeader:
         """Join as rank 0, load the shard, wait until every follower loaded and opened its heartbeat.
         ``children`` are follower processes this leader started (waited for at shutdown). ``secret``:
         the group's heartbeat secret; ``None`` makes one and publishes it in the rendezvous store."""
@@ -111,8 +111,10 @@ class TPLeader:
                 holder[0]._on_fault(reason)
 
         if secret is None:
-            log.warning("no --tp-secret-file: the heartbeat secret goes through the rendezvous store, so "
-                        "anyone who can reach the store can join the group")
+            log.warning(
+                "no --tp-secret-file: the heartbeat secret goes through the rendezvous store, so "
+                "anyone who can reach the store can join the group"
+            )
             secret = new_secret()
             tp.store.set(SECRET_KEY, secret)
         heartbeat = LeaderHeartbeat(tp, _host_of(init_addr), timeout_s, on_fault, secret)
@@ -135,8 +137,9 @@ class TPLeader:
     def engine_loop(self) -> EngineLoop:
         """The leader's EngineLoop: keepalives while idle; failed when the group breaks."""
         if self.loop is None:
-            self.loop = EngineLoop(self.engine, idle_tick=self.engine.runner.keepalive,
-                                   idle_interval_s=self.timeout_s / 3)
+            self.loop = EngineLoop(
+                self.engine, idle_tick=self.engine.runner.keepalive, idle_interval_s=self.timeout_s / 3
+            )
             if self.fault is not None:
                 self.loop.fail(TPGroupFailed(self.fault))
         return self.loop
@@ -206,9 +209,21 @@ def spawn_follower_processes(
     try:
         for rank in range(1, size):
             cmd = [
-                sys.executable, "-m", "llmserve.cli", "worker", *base_argv,
-                "--tp-size", str(size), "--tp-rank", str(rank), "--dist-init-addr", init_addr,
-                "--host", host, "--port", "0",
+                sys.executable,
+                "-m",
+                "llmserve.cli",
+                "worker",
+                *base_argv,
+                "--tp-size",
+                str(size),
+                "--tp-rank",
+                str(rank),
+                "--dist-init-addr",
+                init_addr,
+                "--host",
+                host,
+                "--port",
+                "0",
             ]
             read_end, write_end = os.pipe()
             try:
@@ -257,8 +272,8 @@ async def serve_follower(
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from worker_svc.runner import ModelRunner
     from llmserve.grpc_listen import grpc_address, listen
+    from worker_svc.runner import ModelRunner
     from worker_svc.server import WorkerHealth
     from worker_svc.step_broadcast import FollowerLoop
     from worker_svc.tp_group import destroy_tp, init_tp, tp_barrier

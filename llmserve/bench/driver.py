@@ -32,7 +32,11 @@ class StaticBatch:
         ``all_logits`` one row per appended token (packed in request order)."""
         rows = list(range(len(self.rows))) if only is None else only
         ids = [t for piece in pieces for t in piece]
-        positions = [p for piece, i in zip(pieces, rows) for p in range(self.seq_lens[i], self.seq_lens[i] + len(piece))]
+        positions = [
+            p
+            for piece, i in zip(pieces, rows, strict=True)
+            for p in range(self.seq_lens[i], self.seq_lens[i] + len(piece))
+        ]
         return self._step(ForwardMode.EXTEND, ids, positions, [len(p) for p in pieces], rows, all_logits)
 
     def decode(self, token_ids: torch.Tensor) -> torch.Tensor:
@@ -40,13 +44,20 @@ class StaticBatch:
         everyone = list(range(len(self.rows)))
         return self._step(ForwardMode.DECODE, token_ids, positions, [1] * len(self.rows), everyone)
 
-    def _step(self, mode: ForwardMode, ids, positions: list[int], counts: list[int], which: list[int],
-              all_logits: bool = False) -> torch.Tensor:
+    def _step(
+        self,
+        mode: ForwardMode,
+        ids,
+        positions: list[int],
+        counts: list[int],
+        which: list[int],
+        all_logits: bool = False,
+    ) -> torch.Tensor:
         slots = self.runner.allocator.alloc(len(positions))
         if slots is None:
             raise RuntimeError("KV pool exhausted: raise --max-total-tokens")
         prefix = [self.seq_lens[i] for i in which]
-        for i, count in zip(which, counts):
+        for i, count in zip(which, counts, strict=True):
             self.seq_lens[i] += count
         step = StepInput(
             mode=mode,
@@ -86,17 +97,19 @@ def greedy_with_split_prefill(
     batch = StaticBatch(runner, len(prompts))
     try:
         cuts = [min(cut_len, len(p) - 1) if len(p) > 1 else len(p) for p in prompts]
-        batch.extend([p[:c] for p, c in zip(prompts, cuts)])
-        logits = batch.extend([p[c:] for p, c in zip(prompts, cuts)]) if any(
-            len(p) > c for p, c in zip(prompts, cuts)
-        ) else None
+        batch.extend([p[:c] for p, c in zip(prompts, cuts, strict=True)])
+        logits = (
+            batch.extend([p[c:] for p, c in zip(prompts, cuts, strict=True)])
+            if any(len(p) > c for p, c in zip(prompts, cuts, strict=True))
+            else None
+        )
         if logits is None:
             raise ValueError("every prompt needs at least two tokens")
         prefill_logits = logits.clone()
         outputs: list[list[int]] = [[] for _ in prompts]
         for step in range(output_len):
             next_ids = logits.argmax(dim=-1)
-            for out, token in zip(outputs, next_ids.tolist()):
+            for out, token in zip(outputs, next_ids.tolist(), strict=True):
                 out.append(token)
             if step + 1 < output_len:
                 logits = batch.decode(next_ids)

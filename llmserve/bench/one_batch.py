@@ -9,7 +9,6 @@ import statistics
 import sys
 import time
 from pathlib import Path
-
 from typing import TYPE_CHECKING
 
 from worker_svc.cli_args import add_engine_args, engine_config_from_args
@@ -25,7 +24,7 @@ DEFAULT_PROMPTS = (
 )
 
 
-def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser("bench-one-batch", help="static-batch latency, or --correct against HF")
     add_engine_args(p)
     p.add_argument("--batch-size", type=int, nargs="+", default=[1])
@@ -150,7 +149,7 @@ def correctness(runner: ModelRunner, args: argparse.Namespace) -> int:
     for i, text in enumerate(texts):
         diff = (logits[i] - ref_logits[i]).abs().max().item()
         cosine = torch.nn.functional.cosine_similarity(logits[i], ref_logits[i], dim=0).item()
-        same = sum(a == b for a, b in zip(outputs[i], ref_outputs[i]))
+        same = sum(a == b for a, b in zip(outputs[i], ref_outputs[i], strict=False))
         print(f"========== Prompt {i} ==========")
         with torch.inference_mode():
             torch.set_printoptions(threshold=16, edgeitems=3, precision=4)

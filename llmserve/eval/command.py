@@ -19,7 +19,7 @@ def shipped_text(name: str = DEFAULT_TEXT) -> str:
     return resources.files("llmserve.eval").joinpath("texts", name).read_text(encoding="utf-8")
 
 
-def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser(
         "eval-ppl", help="perplexity over a real text through this engine (sliding window)",
         description="Tokenizes the text once, scores every token after the first with windows of at "

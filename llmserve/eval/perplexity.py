@@ -99,7 +99,7 @@ class PerplexityResult:
     def top1_agreement(self, other: PerplexityResult) -> float:
         if len(self.predictions) != len(other.predictions):
             raise ValueError("results cover different tokens (another text, window or stride)")
-        same = sum(a == b for a, b in zip(self.predictions, other.predictions))
+        same = sum(a == b for a, b in zip(self.predictions, other.predictions, strict=False))
         return same / len(self.predictions)
 
     def to_json(self) -> dict[str, Any]:

@@ -20,12 +20,12 @@ def _split_by_bytes(names: list[str], sizes: list[int], shards: int) -> list[lis
     total = sum(sizes)
     groups: list[list[str]] = [[]]
     done = 0
-    for i, (name, size) in enumerate(zip(names, sizes)):
+    for i, (name, size) in enumerate(zip(names, sizes, strict=True)):
         left = len(names) - i  # tensors not yet placed, this one included
         new_shards_needed = shards - len(groups)
-        if groups[-1] and new_shards_needed > 0:
-            if done >= total * len(groups) / shards or left <= new_shards_needed:
-                groups.append([])
+        if groups[-1] and new_shards_needed > 0 and (
+                done >= total * len(groups) / shards or left <= new_shards_needed):
+            groups.append([])
         groups[-1].append(name)
         done += size
     return groups

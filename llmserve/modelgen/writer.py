@@ -11,7 +11,11 @@ from llmserve.modelgen.chat_template import special_tokens_map, tokenizer_config
 from llmserve.modelgen.presets import WEIGHTS_DTYPE, apply_variants, check_arch, preset_config
 from llmserve.modelgen.safetensors_io import save_weights
 from llmserve.modelgen.tokenizer import (
-    BOS_TOKEN, EOS_TOKEN, EOT_TOKEN, special_token_ids, train_tokenizer,
+    BOS_TOKEN,
+    EOS_TOKEN,
+    EOT_TOKEN,
+    special_token_ids,
+    train_tokenizer,
 )
 from llmserve.modelgen.weights import init_weights
 

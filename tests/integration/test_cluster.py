@@ -210,8 +210,7 @@ def test_serve_int4_quantized_tensor_parallel_cluster(serve, model_factory) -> N
 
 def test_serve_passes_every_engine_flag_to_its_workers() -> None:
     from llmserve.cli import build_parser
-    from worker_svc.cli_args import engine_argv
-    from worker_svc.cli_args import engine_config_from_args
+    from worker_svc.cli_args import engine_argv, engine_config_from_args
 
     flags = ["--dtype", "float32", "--max-total-tokens", "64", "--context-length", "32", "--random-seed", "7",
              "--json-model-override-args", '{"rope_theta": 10000}', "--max-running-requests", "3"]

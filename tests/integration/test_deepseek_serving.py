@@ -74,7 +74,7 @@ def test_generate_equals_in_process_engine(stub, engine):
         t.start()
     for t in threads:
         t.join(TIMEOUT)
-    for prompt, (_, (complete,)) in zip(prompts, results):
+    for prompt, (_, (complete,)) in zip(prompts, results, strict=False):
         assert list(complete.output_ids) == _greedy(engine, prompt, 12)
         assert complete.finish_reason == "length" and complete.completion_tokens == 12
 

@@ -69,10 +69,8 @@ class Proc:
     def log_records(self) -> list[dict]:
         out = []
         for line in self.log_path.read_text(errors="replace").splitlines():
-            try:
+            with contextlib.suppress(json.JSONDecodeError):
                 out.append(json.loads(line))
-            except json.JSONDecodeError:
-                pass
         return out
 
     def stop(self) -> None:
@@ -332,7 +330,7 @@ def _stop_case(deltas) -> tuple[str, str]:
     boundary), and the text the router must return before it."""
     full = "".join(d.text for d in deltas)
     pos = 0
-    for a, b in zip(deltas, deltas[1:]):
+    for a, b in zip(deltas, deltas[1:], strict=False):
         pos += len(a.text)
         ok = a.text.strip() and b.text.strip() and "\ufffd" not in a.text + b.text and len(a.text) + len(b.text) >= 3
         stop = a.text[-2:] + b.text[:2]
@@ -493,7 +491,7 @@ def test_killing_worker_groups(cluster: Cluster, client: RouterClient, tok: Mode
 
     # Requests right after the kill: routed to group 0, or retried there when they hit group 1
     # before a probe noticed.
-    for prompt, (c,) in zip(PROMPTS, asyncio.run(burst())):
+    for prompt, (c,) in zip(PROMPTS, asyncio.run(burst()), strict=False):
         assert c.token_ids == want[prompt] and c.finish.reason == "length"
     health = [pb.WORKER_HEALTH_SERVING, pb.WORKER_HEALTH_NOT_SERVING]
     wait_for(lambda: [g.health for g in client.list_workers().groups] == health, what="group 1 NOT_SERVING")

@@ -51,7 +51,7 @@ def test_sigstopped_worker_streams_end_within_stream_timeout(cluster) -> None:
             return await asyncio.gather(*tasks)
 
     results = asyncio.run(asyncio.wait_for(scenario(), 60))
-    for reason, message, tokens, seconds in results:
+    for reason, message, _tokens, seconds in results:
         if reason == "length":  # finished in the moment before the stop landed
             continue
         assert reason == "abort" and "--stream-timeout" in message, message

@@ -14,7 +14,8 @@ from smg_grpc_proto import sglang_scheduler_pb2 as spb
 
 from llmserve.v1 import router_pb2 as pb
 from router.client import generate_request
-from tests.integration.test_router_units import FakeWorker, _run, fake_cluster, tok, tok_dir  # noqa: F401
+from tests.integration.test_router_streaming import _run
+from tests.router_fakes import FakeWorker, fake_cluster
 from tokenizer_svc.tokenizer import ModelTokenizer
 
 TIMEOUT = 20.0
@@ -236,7 +237,8 @@ def test_zero_n_and_max_new_tokens_are_invalid_as_documented(tok_dir: Path, tok:
 
     async def scenario() -> None:
         async with fake_cluster(tok_dir, [FakeWorker([_script(tok)])]) as (client, _):
-            for kwargs, field in (({"n": 0}, "sampling_params.n:"), ({"max_new_tokens": 0}, "sampling_params.max_new_tokens:")):
+            for kwargs, field in (({"n": 0}, "sampling_params.n:"),
+                                  ({"max_new_tokens": 0}, "sampling_params.max_new_tokens:")):
                 code, details, _ = await _status(client.stub.Generate(generate_request("hi", **kwargs), timeout=5))
                 assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith(field)
 

@@ -22,8 +22,15 @@ from smg_grpc_proto import sglang_scheduler_pb2 as spb
 from smg_grpc_proto import sglang_scheduler_pb2_grpc as spb_grpc
 from smg_grpc_proto.generated import common_pb2
 
-from llmserve.security import (BearerToken, ChannelSecurity, ChannelTls, ServerSecurity, ServerTls, TokenTable,
-                               current_identity)
+from llmserve.security import (
+    BearerToken,
+    ChannelSecurity,
+    ChannelTls,
+    ServerSecurity,
+    ServerTls,
+    TokenTable,
+    current_identity,
+)
 from llmserve.v1 import router_pb2 as pb
 from llmserve.v1 import router_pb2_grpc as pb_grpc
 from llmserve.v1 import tokenizer_pb2 as tpb

@@ -6,6 +6,7 @@ the last two thirds of the run at most 5%). Slow: `pytest -m slow tests/integrat
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import time
@@ -53,10 +54,8 @@ async def _one(client: AsyncRouterClient, rng: random.Random, counts: dict[str, 
             task = asyncio.ensure_future(consume())
             await asyncio.sleep(rng.uniform(0, 0.05))
             task.cancel()
-            try:
+            with contextlib.suppress(asyncio.CancelledError):
                 await task
-            except asyncio.CancelledError:
-                pass
             return
         await consume()
     except grpc.aio.AioRpcError as exc:

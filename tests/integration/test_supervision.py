@@ -23,8 +23,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from router.client import RouterClient
 from llmserve.v1 import router_pb2 as rpb
+from router.client import RouterClient
 from tests.procfs import alive, children_of, descendants, is_loopback, listening_sockets
 
 ENGINE_FLAGS = ["--dtype", "float32", "--max-total-tokens", "1024", "--context-length", "256",

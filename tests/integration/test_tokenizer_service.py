@@ -146,7 +146,7 @@ def test_detokenize_stream_interleaved_sequences(stub: pb_grpc.TokenizerStub, to
     assert [r.sequence_id for r in replies] == [q.sequence_id for q in requests]
     assert [r.final for r in replies] == [q.final for q in requests]
     out: dict[int, list[str]] = {}
-    for q, r in zip(requests, replies):
+    for q, r in zip(requests, replies, strict=False):
         assert "\ufffd" not in r.text
         out.setdefault(q.sequence_id, []).append(r.text)
     n0 = len(ids[0])

@@ -9,6 +9,7 @@ starts rank 1) is checked through /proc.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -43,7 +44,9 @@ def _request(ids, max_new: int, rid: str = "", stream: bool = False) -> pb.Gener
 
 def _health(address: str, service: str = "") -> int:
     with grpc.insecure_channel(address) as channel:
-        return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=10).status
+        return (
+            health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=10).status
+        )
 
 
 def _children_of(pid: int) -> list[int]:
@@ -101,8 +104,22 @@ def _env() -> dict[str, str]:
 def _start_rank(model: Path, workdir: Path, name: str, *flags: str) -> Rank:
     workdir.mkdir(parents=True, exist_ok=True)
     port_file, log = workdir / f"{name}.port", workdir / f"{name}.log"
-    cmd = [sys.executable, "-m", "llmserve.cli", "worker", "--model", str(model), *engine_cli_flags(),
-           "--host", "127.0.0.1", "--port", "0", "--port-file", str(port_file), *flags]
+    cmd = [
+        sys.executable,
+        "-m",
+        "llmserve.cli",
+        "worker",
+        "--model",
+        str(model),
+        *engine_cli_flags(),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--port-file",
+        str(port_file),
+        *flags,
+    ]
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=_env(), cwd=workdir)
     return Rank(proc, port_file, log)
@@ -138,14 +155,10 @@ def tp_ranks(worker_model, tmp_path):
         if rank.proc.poll() is None:
             rank.proc.kill()
         if rank.proc.poll() is None and rank.proc.returncode is None:
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 rank.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                pass
-        try:
+        with contextlib.suppress(OSError):
             os.kill(rank.proc.pid, signal.SIGCONT)
-        except OSError:
-            pass
 
 
 def test_tp2_worker_matches_tp1_engine_and_frees_kv_on_cancel(worker_model, reference_engine, worker_process_factory):
@@ -153,11 +166,13 @@ def test_tp2_worker_matches_tp1_engine_and_frees_kv_on_cancel(worker_model, refe
     followers = _children_of(worker.proc.pid)
     assert len(followers) == 1, followers
     prompts = [[(7 * i + 3 * j) % 500 for j in range(5 + 9 * i)] for i in range(3)]
-    expected = [r.output_ids for r in reference_engine.generate(prompts, SamplingParams(
-        max_new_tokens=16, temperature=0.0, ignore_eos=True))]
+    expected = [
+        r.output_ids
+        for r in reference_engine.generate(prompts, SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True))
+    ]
     with grpc.insecure_channel(worker.address) as channel:
         stub = pb_grpc.SglangSchedulerStub(channel)
-        for prompt, want in zip(prompts, expected):
+        for prompt, want in zip(prompts, expected, strict=False):
             (resp,) = list(stub.Generate(_request(prompt, 16), timeout=60))
             assert list(resp.complete.output_ids) == want
         info = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=10)
@@ -170,8 +185,11 @@ def test_tp2_worker_matches_tp1_engine_and_frees_kv_on_cancel(worker_model, refe
 
         def all_free() -> bool:
             load = stub.GetLoads(pb.GetLoadsRequest(), timeout=10).loads[0]
-            return load.num_used_tokens == 0 and load.num_running_reqs == 0 and load.max_total_num_tokens == \
-                WORKER_ENGINE["max_total_tokens"]
+            return (
+                load.num_used_tokens == 0
+                and load.num_running_reqs == 0
+                and load.max_total_num_tokens == WORKER_ENGINE["max_total_tokens"]
+            )
 
         _wait(all_free, 30, "KV pool free after cancel")
         (resp,) = list(stub.Generate(_request(prompts[1], 16), timeout=60))  # still serving
@@ -200,7 +218,9 @@ def _generate_in_background(address: str, prompt: list[int], max_new: int):
     def run() -> None:
         with grpc.insecure_channel(address) as channel:
             try:
-                for _ in pb_grpc.SglangSchedulerStub(channel).Generate(_request(prompt, max_new, stream=True), timeout=120):
+                for _ in pb_grpc.SglangSchedulerStub(channel).Generate(
+                    _request(prompt, max_new, stream=True), timeout=120
+                ):
                     first.set()
                 result["code"] = grpc.StatusCode.OK
             except grpc.RpcError as exc:
@@ -217,8 +237,9 @@ def _generate_in_background(address: str, prompt: list[int], max_new: int):
 def test_follower_fault_fails_in_flight_request_and_health(tp_ranks, fault):
     # 50 ms per step: 200 tokens keep the request in flight for ~10 s.
     # --tp-fault-exit-delay inf: the leader stays up NOT_SERVING (checked below) instead of exiting.
-    leader, follower = tp_ranks("--debug-step-delay", "0.05", "--tp-fault-exit-delay", "inf",
-                                tp_timeout=FAULT_TIMEOUT_S)
+    leader, follower = tp_ranks(
+        "--debug-step-delay", "0.05", "--tp-fault-exit-delay", "inf", tp_timeout=FAULT_TIMEOUT_S
+    )
     first, result, thread = _generate_in_background(leader.address, [5, 6, 7, 8], 200)
     assert first.wait(60)
     assert "code" not in result  # still generating

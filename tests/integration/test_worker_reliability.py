@@ -29,9 +29,13 @@ ABORT = f"/{SERVICE_NAME}/Abort"
 
 
 @contextmanager
-def _serving(worker_model, options: WorkerOptions | None = None, **engine) -> Iterator[tuple[WorkerServer, grpc.Channel]]:
+def _serving(
+    worker_model, options: WorkerOptions | None = None, **engine
+) -> Iterator[tuple[WorkerServer, grpc.Channel]]:
     server = WorkerServer(
-        Engine(worker_engine_config(worker_model, **engine)), host="127.0.0.1", port=0,
+        Engine(worker_engine_config(worker_model, **engine)),
+        host="127.0.0.1",
+        port=0,
         options=options or WorkerOptions(served_model_name="tiny-test"),
     )
     thread = ServerThread(server)
@@ -153,8 +157,9 @@ def test_abort_by_request_id_reaches_every_call_filed_under_it(worker, stub, slo
     (``<id>-n<index>``) aborts that sample only."""
     server, _ = worker
     prompt = _prompt(8, seed=3)
-    calls = [stub.Generate(_request(prompt, rid="both", stream=True, max_new=200, n=2), timeout=TIMEOUT)
-             for _ in range(2)]
+    calls = [
+        stub.Generate(_request(prompt, rid="both", stream=True, max_new=200, n=2), timeout=TIMEOUT) for _ in range(2)
+    ]
     for call in calls:
         next(call)
     ones = stub.Abort(pb.AbortRequest(request_id="both-n1", reason="stop string"), timeout=TIMEOUT)
@@ -181,24 +186,41 @@ def _bad_utf8(message: bytes, good: bytes) -> bytes:
     "method, data, field",
     [
         (GENERATE, _bad_utf8(_request([1, 2, 3], rid="rid-abcd").SerializeToString(), b"rid-abcd"), "request_id"),
-        (GENERATE, _bad_utf8(pb.GenerateRequest(request_id="r", tokenized=pb.TokenizedInput(
-            original_text="text-abcd", input_ids=[1, 2])).SerializeToString(), b"text-abcd"),
-         "tokenized.original_text"),
+        (
+            GENERATE,
+            _bad_utf8(
+                pb.GenerateRequest(
+                    request_id="r", tokenized=pb.TokenizedInput(original_text="text-abcd", input_ids=[1, 2])
+                ).SerializeToString(),
+                b"text-abcd",
+            ),
+            "tokenized.original_text",
+        ),
         (GENERATE, b"\xff\xff\xff\xff", "request: malformed GenerateRequest"),
         (GENERATE, _request([1, 2, 3]).SerializeToString()[:-3], "request: malformed GenerateRequest"),
         (ABORT, _bad_utf8(pb.AbortRequest(request_id="rid-abcd").SerializeToString(), b"rid-abcd"), "request_id"),
         (ABORT, b"\x0a\xff\xff", "request: malformed AbortRequest"),
     ],
-    ids=["generate-request_id", "generate-original_text", "generate-garbage", "generate-truncated",
-         "abort-request_id", "abort-garbage"],
+    ids=[
+        "generate-request_id",
+        "generate-original_text",
+        "generate-garbage",
+        "generate-truncated",
+        "abort-request_id",
+        "abort-garbage",
+    ],
 )
 def test_malformed_request_is_invalid_argument_naming_the_field(worker, stub, method, data, field):
     channel = worker[1]
     if method == GENERATE:
-        call = channel.unary_stream(method, request_serializer=lambda b: b, response_deserializer=pb.GenerateResponse.FromString)
+        call = channel.unary_stream(
+            method, request_serializer=lambda b: b, response_deserializer=pb.GenerateResponse.FromString
+        )
         run = lambda: list(call(data, timeout=TIMEOUT))  # noqa: E731
     else:
-        call = channel.unary_unary(method, request_serializer=lambda b: b, response_deserializer=pb.AbortResponse.FromString)
+        call = channel.unary_unary(
+            method, request_serializer=lambda b: b, response_deserializer=pb.AbortResponse.FromString
+        )
         run = lambda: call(data, timeout=TIMEOUT)  # noqa: E731
     started = time.monotonic()
     with pytest.raises(grpc.RpcError) as err:
@@ -229,8 +251,9 @@ def _end_by_deadline(stub, request):
 def _end_by_abort_rpc(stub, request):
     call = stub.Generate(request, timeout=TIMEOUT)
     next(call)
-    assert stub.Abort(pb.AbortRequest(request_id=request.request_id, reason="stop string matched"),
-                      timeout=TIMEOUT).success
+    assert stub.Abort(
+        pb.AbortRequest(request_id=request.request_id, reason="stop string matched"), timeout=TIMEOUT
+    ).success
     list(call)
 
 
@@ -348,14 +371,19 @@ def test_worker_flags_reach_the_worker_options(worker_model):
 
     parser = argparse.ArgumentParser()
     register(parser.add_subparsers())
-    args = parser.parse_args(["worker", "--model", str(worker_model), "--step-stall-timeout", "7.5",
-                              "--max-queued-requests", "3"])
+    args = parser.parse_args(
+        ["worker", "--model", str(worker_model), "--step-stall-timeout", "7.5", "--max-queued-requests", "3"]
+    )
     options = worker_options(args)
     assert (options.step_stall_timeout_s, options.max_queued_requests) == (7.5, 3)
     defaults = worker_options(parser.parse_args(["worker", "--model", str(worker_model)]))
     assert defaults.step_stall_timeout_s == 120.0 and defaults.max_queued_requests >= 1024
-    assert parser.parse_args(["worker", "--model", str(worker_model), "--malloc-mmap-threshold", "4194304"]
-                             ).malloc_mmap_threshold == 4 << 20
+    assert (
+        parser.parse_args(
+            ["worker", "--model", str(worker_model), "--malloc-mmap-threshold", "4194304"]
+        ).malloc_mmap_threshold
+        == 4 << 20
+    )
     for bad in (["--step-stall-timeout", "0"], ["--max-queued-requests", "-1"], ["--malloc-mmap-threshold", "-1"]):
         with pytest.raises(SystemExit):
             parser.parse_args(["worker", "--model", str(worker_model), *bad])
@@ -402,13 +430,21 @@ def _rss_mb(pid: int) -> float:
     raise AssertionError(f"no VmRSS for pid {pid}")
 
 
-def worker_rss_under_mixed_prompts(worker_process_factory, model, *flags: str, rounds: int = 15,
-                                   warm_up: int = 5) -> tuple[float, float, float]:
+def worker_rss_under_mixed_prompts(
+    worker_process_factory, model, *flags: str, rounds: int = 15, warm_up: int = 5
+) -> tuple[float, float, float]:
     """RSS (MB) of a `llmserve worker` when idle, after ``warm_up`` rounds and after ``rounds`` more;
     a round is 32 concurrent streams whose prompts are 8-1900 tokens long, so each step's
     temporaries have a new size."""
-    worker = worker_process_factory(model, *flags, max_running_requests=32, max_total_tokens=65536,
-                                    context_length=2048, chunked_prefill_size=1024, max_prefill_tokens=4096)
+    worker = worker_process_factory(
+        model,
+        *flags,
+        max_running_requests=32,
+        max_total_tokens=65536,
+        context_length=2048,
+        chunked_prefill_size=1024,
+        max_prefill_tokens=4096,
+    )
     rng = random.Random(12)
     with grpc.insecure_channel(worker.address) as ch, ThreadPoolExecutor(max_workers=32) as pool:
         stub = pb_grpc.SglangSchedulerStub(ch)

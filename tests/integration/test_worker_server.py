@@ -189,7 +189,8 @@ def test_logprobs_and_top_logprobs(stub, reference_engine):
     assert list(lp.token_ids) == list(done.output_ids) == ref.output_ids
     assert list(lp.token_logprobs) == pytest.approx(ref.logprobs, abs=1e-4)
     assert len(lp.top_logprobs) == 8
-    for row, ref_row, token, token_lp in zip(lp.top_logprobs, ref.top_logprobs, lp.token_ids, lp.token_logprobs):
+    for row, ref_row, token, token_lp in zip(lp.top_logprobs, ref.top_logprobs, lp.token_ids, lp.token_logprobs,
+                                             strict=True):
         assert list(row.token_ids) == [t for t, _ in ref_row] and len(row.values) == 3
         assert row.token_ids[0] == token and row.values[0] == pytest.approx(token_lp)  # greedy: top-1
         assert list(row.values) == sorted(row.values, reverse=True)

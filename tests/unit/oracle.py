@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import torch
@@ -26,7 +26,7 @@ def encode_prompts(model_dir: Path) -> list[list[int]]:
     return [tokenizer.encode(text).ids for text in PROMPT_TEXTS]
 
 
-@lru_cache(maxsize=None)
+@cache
 def _cached(model_dir: str, prompts: tuple[tuple[int, ...], ...], output_len: int):
     logits, outputs = hf_greedy(model_dir, [list(p) for p in prompts], output_len, dtype=torch.float32)
     return logits, outputs
@@ -69,7 +69,7 @@ def run_with_late_arrivals(engine, prompts: list[list[int]], params, on_head_sta
     for req in reqs:
         found = [
             logits[j] for rows_, lens, logits in steps
-            for j, (row, length) in enumerate(zip(rows_, lens))
+            for j, (row, length) in enumerate(zip(rows_, lens, strict=False))
             if row == rows[id(req)] and length == len(req.prompt_ids)
         ]
         assert len(found) == 1, "each prompt completes its prefill in exactly one step"

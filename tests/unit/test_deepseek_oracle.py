@@ -102,7 +102,7 @@ def test_continuous_batching_matches_hf(case):
 
     reqs, prefill = run_with_late_arrivals(engine, prompts, GREEDY, short_prompt_decodes_early)
     assert [r.output_ids for r in reqs] == ref_tokens
-    for logits, ref in zip(prefill, ref_logits):
+    for logits, ref in zip(prefill, ref_logits, strict=False):
         assert (logits - ref).abs().max().item() < ATOL
     assert engine.runner.allocator.available() == engine.runner.max_total_tokens
 

@@ -18,7 +18,12 @@ from llmserve.modelgen import make_model, preset_config, train_tokenizer
 from llmserve.modelgen.chat_template import CHAT_TEMPLATE
 from llmserve.modelgen.safetensors_io import INDEX_FILE, SINGLE_FILE
 from llmserve.modelgen.tokenizer import (
-    BOS_TOKEN, END_HEADER_TOKEN, EOS_TOKEN, EOT_TOKEN, SPECIAL_TOKENS, START_HEADER_TOKEN,
+    BOS_TOKEN,
+    END_HEADER_TOKEN,
+    EOS_TOKEN,
+    EOT_TOKEN,
+    SPECIAL_TOKENS,
+    START_HEADER_TOKEN,
 )
 from llmserve.modelgen.weights import param_count
 

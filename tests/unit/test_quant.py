@@ -66,7 +66,9 @@ def test_int8dq_aten_kernel_matches_its_reference_per_layer(rows):
 def test_int8dq_model_logits_close_to_reference(model_factory, cpu_kernel):
     model_dir = model_factory("small")
     prompts = encode_prompts(model_dir)
-    logits, _ = greedy_with_split_prefill(_runner(model_dir, "int8dq", cpu_quant_kernel=cpu_kernel), prompts, 1, cut_len=3)
+    logits, _ = greedy_with_split_prefill(
+        _runner(model_dir, "int8dq", cpu_quant_kernel=cpu_kernel), prompts, 1, cut_len=3
+    )
     reference = _runner(model_dir, "int8dq", cpu_quant_kernel=cpu_kernel)
     dequantized_reference(reference.model)
     ref_logits, _ = greedy_with_split_prefill(reference, prompts, 1, cut_len=3)
@@ -92,7 +94,8 @@ def test_quantized_weight_bytes(model_factory):
     int4 = _runner(model_dir, "int4wo-64", dtype="bfloat16", cpu_bf16_linear="aten")
     cfg = full.config
     linear = cfg.num_hidden_layers * (
-        cfg.hidden_size * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * cfg.hidden_size
+        cfg.hidden_size * (cfg.q_size + 2 * cfg.kv_size)
+        + cfg.q_size * cfg.hidden_size
         + 3 * cfg.hidden_size * cfg.intermediate_size
     )
     rest = full.weight_nbytes - 2 * linear

@@ -18,7 +18,9 @@ from worker_svc.layers.quant_kernels import (
 )
 
 OPS = cpu_ext.load()
-pytestmark = pytest.mark.skipif(OPS is None, reason="AVX2 kernels unavailable on this host (not x86-64 AVX2 or no compiler)")
+pytestmark = pytest.mark.skipif(
+    OPS is None, reason="AVX2 kernels unavailable on this host (not x86-64 AVX2 or no compiler)"
+)
 
 ROWS = [1, 2, 3, 4, 5, 9]
 
@@ -45,7 +47,9 @@ def test_int8_weight_only_matches_fp32(rows, shape):
 
 
 @pytest.mark.parametrize("rows", ROWS)
-@pytest.mark.parametrize("shape,group", [((37, 64), 32), ((37, 96), 32), ((130, 256), 64), ((64, 1024), 128), ((16, 512), 256)])
+@pytest.mark.parametrize(
+    "shape,group", [((37, 64), 32), ((37, 96), 32), ((130, 256), 64), ((64, 1024), 128), ((16, 512), 256)]
+)
 def test_int4_weight_only_matches_fp32(rows, shape, group):
     weight, x = _data(rows, *shape, torch.float32)
     kernel = Int4WeightOnlyKernel(weight, torch.float32, group, ops=OPS)

@@ -13,9 +13,9 @@ import torch
 from tokenizers import Tokenizer
 
 from llmserve.bench.driver import greedy_with_split_prefill
+from llmserve.bench.one_batch import DEFAULT_PROMPTS
 from llmserve.eval.command import shipped_text
 from llmserve.eval.perplexity import EngineScorer, HFScorer, perplexity
-from llmserve.bench.one_batch import DEFAULT_PROMPTS
 from tests.unit.oracle import hf_reference
 from tokenizer_svc.tokenizer import ModelTokenizer
 from worker_svc.engine_config import EngineConfig

@@ -19,8 +19,8 @@ from worker_svc.engine_config import EngineConfig
 from worker_svc.forward_batch import ForwardMode
 from worker_svc.request import FinishReason, RequestError
 from worker_svc.runner import ModelRunner, StepInput
-from worker_svc.scheduler import Scheduler
 from worker_svc.sampling import SamplingParams
+from worker_svc.scheduler import Scheduler
 
 VOCAB = 512  # the tiny preset
 GREEDY = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
@@ -83,7 +83,7 @@ def _assert_kv_consistent(engine: Engine) -> None:
     assert len(rows) + table.available() == table.max_requests
     assert all(r.req_row is None and r.num_cached == 0 for r in sched.waiting), "waiting requests hold no KV"
     live_slots = [table.slots(r.req_row, r.num_cached) for r in live]
-    for r, s in zip(live, live_slots):
+    for r, s in zip(live, live_slots, strict=False):
         assert s.numel() == r.num_cached and bool((s > 0).all()), f"{r.rid} has an unrecorded slot"
     everything = torch.cat([*live_slots, alloc._free]).tolist()
     assert sorted(everything) == list(range(1, alloc.size + 1)), "slots leaked or handed out twice"
@@ -116,10 +116,10 @@ def test_kv_accounting_through_finish_abort_and_retraction(tiny_model):
     # Greedy and seeded sampled requests: a recomputed request must continue its own random stream.
     params = [dataclasses.replace(GREEDY if i % 2 else dataclasses.replace(HOT, seed=i), max_new_tokens=24)
               for i in range(len(prompts))]
-    expected = [_alone(engine, p, q) for p, q in zip(prompts, params)]
+    expected = [_alone(engine, p, q) for p, q in zip(prompts, params, strict=False)]
     _assert_all_released(engine)
 
-    reqs = [engine.submit(p, q) for p, q in zip(prompts, params)]
+    reqs = [engine.submit(p, q) for p, q in zip(prompts, params, strict=False)]
     waiting_victim, chunk_victim, decode_victim = reqs[7], reqs[1], reqs[0]
     outputs: dict[str, list] = {r.rid: [] for r in reqs}
 
@@ -534,7 +534,7 @@ def test_logprobs_in_a_mixed_batch(tiny_model):
     ]
     results = engine.generate(prompts, params)
     assert results[0].logprobs == []
-    for result, prompt, p in zip(results[1:], prompts[1:], params[1:]):
+    for result, prompt, p in zip(results[1:], prompts[1:], params[1:], strict=False):
         assert len(result.logprobs) == len(result.output_ids) == p.max_new_tokens
         assert all(lp <= 0 for lp in result.logprobs)
         expected = _expected_logprobs(tiny_model, prompt, result.output_ids, p.temperature or 1.0)
@@ -558,7 +558,7 @@ def test_max_running_requests_and_chunked_prefill_size(tiny_model):
     def recording_forward(step: StepInput):
         # Each row's tokens are exactly the owning request's next uncached tokens, at their positions.
         offset = 0
-        for row, prefix, seq in zip(step.req_rows.tolist(), step.prefix_lens, step.seq_lens):
+        for row, prefix, seq in zip(step.req_rows.tolist(), step.prefix_lens, step.seq_lens, strict=False):
             (req,) = [r for r in reqs if r.req_row == row]
             assert prefix == req.num_cached
             assert step.input_ids[offset : offset + seq - prefix].tolist() == req.fill_ids[prefix:seq]
@@ -581,14 +581,14 @@ def test_max_running_requests_and_chunked_prefill_size(tiny_model):
     assert [r.output_ids for r in reqs] == expected
     for step in steps:
         assert len(step.seq_lens) <= limit
-        ext = [s - p for s, p in zip(step.seq_lens, step.prefix_lens)]
+        ext = [s - p for s, p in zip(step.seq_lens, step.prefix_lens, strict=False)]
         assert max(ext) <= chunk, ext
         if step.mode is ForwardMode.DECODE:
             assert ext == [1] * len(ext)
     # The 30-token prompt was prefilled in consecutive chunks of at most `chunk` tokens.
     assert len(long_pieces) >= 4, long_pieces
     assert long_pieces[0][0] == 0 and long_pieces[-1][1] == len(long_req.prompt_ids)
-    assert all(a[1] == b[0] for a, b in zip(long_pieces, long_pieces[1:])), long_pieces
+    assert all(a[1] == b[0] for a, b in zip(long_pieces, long_pieces[1:], strict=False)), long_pieces
     assert any(s.mode is ForwardMode.DECODE for s in steps)
     _assert_all_released(engine)
 

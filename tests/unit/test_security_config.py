@@ -10,10 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from llmserve.security import (BearerToken, ChannelTls, SecurityConfigError, ServerTls, TokenTable, _bearer)
-from llmserve.security_args import (add_client_args, add_internal_channel_args, add_server_args,
-                                    client_security_from_args, internal_security_from_args,
-                                    server_security_from_args)
+from llmserve.security import BearerToken, ChannelTls, SecurityConfigError, ServerTls, TokenTable, _bearer
+from llmserve.security_args import (
+    add_client_args,
+    add_internal_channel_args,
+    add_server_args,
+    client_security_from_args,
+    internal_security_from_args,
+    server_security_from_args,
+)
 from tests.certs import OPENSSL, Pki, make_pki
 
 SECRET = "s3cret-token-value-0123456789"

@@ -25,7 +25,12 @@ from tests.unit.oracle import encode_prompts
 from worker_svc.engine_config import EngineConfig
 from worker_svc.forward_batch import ForwardMode
 from worker_svc.layers.embedding import VocabParallelEmbedding
-from worker_svc.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from worker_svc.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
 from worker_svc.runner import ModelRunner, StepInput
 from worker_svc.step_broadcast import LeaderRunner, join_followers, pack_step, spawn_followers, unpack_step
 from worker_svc.tp import TPContext

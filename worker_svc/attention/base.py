@@ -19,7 +19,7 @@ class AttentionBackend(Protocol):
         """Build per-step metadata (gather indices, masks) once, shared by every layer."""
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: "AttentionLayer", batch: ForwardBatch
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch
     ) -> torch.Tensor:
         """q: [tokens, q_heads, head_dim]; k, v: [tokens, kv_heads, head_dim] -> [tokens, q_heads * head_dim]."""
 
@@ -71,7 +71,9 @@ class MLAAttentionLayer(nn.Module):
         w = self.kv_b_proj.weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
         return w[:, : self.qk_nope_head_dim], w[:, self.qk_nope_head_dim :]
 
-    def forward(self, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def forward(
+        self, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, batch: ForwardBatch
+    ) -> torch.Tensor:
         """q_nope [tokens, heads, qk_nope], q_pe [tokens, heads, rope], latent [tokens, kv_lora + rope]
         -> [tokens, heads * v_head_dim]."""
         return batch.attn_backend.forward_mla(q_nope, q_pe, latent, self, batch)

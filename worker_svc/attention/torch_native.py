@@ -73,7 +73,7 @@ class TorchNativeAttentionBackend:
         offsets, slots, masks = [], [], []
         offset = 0
         device = batch.input_ids.device
-        for row, prefix, seq in zip(batch.req_rows.tolist(), batch.prefix_lens, batch.seq_lens):
+        for row, prefix, seq in zip(batch.req_rows.tolist(), batch.prefix_lens, batch.seq_lens, strict=True):
             offsets.append(offset)
             offset += seq - prefix
             if prefix == 0:
@@ -91,10 +91,7 @@ class TorchNativeAttentionBackend:
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch
     ) -> torch.Tensor:
         batch.kv_pool.store(layer.layer_id, batch.out_slots, k, v)
-        if batch.mode is ForwardMode.DECODE:
-            out = self._decode(q, layer, batch)
-        else:
-            out = self._extend(q, k, v, layer, batch)
+        out = self._decode(q, layer, batch) if batch.mode is ForwardMode.DECODE else self._extend(q, k, v, layer, batch)
         return out.reshape(q.shape[0], layer.num_heads * layer.head_dim)
 
     @staticmethod
@@ -115,7 +112,9 @@ class TorchNativeAttentionBackend:
     def _decode_avx2(self, q: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch) -> torch.Tensor:
         meta: DecodeMetadata = batch.attn_metadata
         k_buf, v_buf = batch.kv_pool.buffers(layer.layer_id)
-        return self.cpu_ops.decode_attention(q.contiguous(), k_buf, v_buf, meta.slot_index, meta.seq_lens, layer.scaling)
+        return self.cpu_ops.decode_attention(
+            q.contiguous(), k_buf, v_buf, meta.slot_index, meta.seq_lens, layer.scaling
+        )
 
     @staticmethod
     def _decode_sdpa(q: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch) -> torch.Tensor:

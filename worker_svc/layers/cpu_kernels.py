@@ -16,9 +16,8 @@ See docs/benchmarks.md for the measurements behind the choice.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import warnings
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F

@@ -127,7 +127,8 @@ class QKVParallelLinear(KernelLinear):
         self.num_heads = num_heads // tp.size
         self.num_kv_heads = max(1, num_kv_heads // tp.size)
         # Index of this rank's first KV head in the checkpoint.
-        self.kv_head_start = self.num_kv_heads * tp.rank if num_kv_heads >= tp.size else tp.rank * num_kv_heads // tp.size
+        self.kv_head_start = (self.num_kv_heads * tp.rank if num_kv_heads >= tp.size
+                              else tp.rank * num_kv_heads // tp.size)
         self.q_size = self.num_heads * head_dim
         self.kv_size = self.num_kv_heads * head_dim
         super().__init__(hidden_size, self.q_size + 2 * self.kv_size, bias=bias)

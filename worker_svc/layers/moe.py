@@ -77,7 +77,7 @@ class DeepseekMoE(nn.Module):
         counts = torch.bincount(flat_ids, minlength=len(self.experts)).tolist()
         out = torch.zeros_like(x)
         start = 0
-        for expert, count in zip(self.experts, counts):
+        for expert, count in zip(self.experts, counts, strict=True):
             if count:
                 idx = tokens[start : start + count]
                 y = expert(x[idx], reduce=False) * flat_weights[start : start + count, None]

@@ -44,7 +44,9 @@ def unpack_nibbles(packed: torch.Tensor, cols: int) -> torch.Tensor:
     rows = packed.shape[0]
     word_bytes = packed.view(rows, -1, 8, 4).to(torch.int64)  # [N, block, i, byte]
     words = (word_bytes << (8 * torch.arange(4, dtype=torch.int64))).sum(dim=-1)  # [N, block, i]
-    planes = (words[:, :, None, :] >> (4 * torch.arange(8, dtype=torch.int64)).view(1, 1, 8, 1)) & 0xF  # [N, block, t, i]
+    planes = (
+        words[:, :, None, :] >> (4 * torch.arange(8, dtype=torch.int64)).view(1, 1, 8, 1)
+    ) & 0xF  # [N, block, t, i]
     return planes.reshape(rows, -1)[:, :cols].to(torch.uint8)
 
 
@@ -64,12 +66,21 @@ class Int8WeightOnlyKernel:
         self.block = (1, w32.shape[1])
         if row_absmax is None:
             self.scale, self.zero = _primitives().choose_qparams_affine(
-                w32, _primitives().MappingType.SYMMETRIC, self.block, torch.int8, -127, 127, eps=1e-9, scale_dtype=torch.float32
+                w32,
+                _primitives().MappingType.SYMMETRIC,
+                self.block,
+                torch.int8,
+                -127,
+                127,
+                eps=1e-9,
+                scale_dtype=torch.float32,
             )
         else:  # choose_qparams_affine's symmetric rule, on the all-rank range
             self.scale = (row_absmax.float() / 127).clamp(min=1e-9).reshape(-1, 1)
             self.zero = torch.zeros_like(self.scale, dtype=torch.int32)
-        self.qweight = _primitives().quantize_affine(w32, self.block, self.scale, self.zero, torch.int8, -127, 127)  # [N, K]
+        self.qweight = _primitives().quantize_affine(
+            w32, self.block, self.scale, self.zero, torch.int8, -127, 127
+        )  # [N, K]
         # [N]: aten's kernel takes the scales in the activation dtype, the AVX2 kernels in float32.
         self.kernel_scale = self.scale.reshape(-1).to(torch.float32 if ops is not None else dtype).contiguous()
         self.nbytes = self.qweight.numel() + self.kernel_scale.numel() * self.kernel_scale.element_size()
@@ -112,8 +123,15 @@ class Int4WeightOnlyKernel:
         self.group_size = group_size
         qp = _primitives()
         scale, zero = qp._choose_qparams_affine_tinygemm(
-            w32, qp.MappingType.ASYMMETRIC, self.block, torch.int32, 0, 15, eps=1e-6,
-            scale_dtype=dtype, zero_point_dtype=dtype,
+            w32,
+            qp.MappingType.ASYMMETRIC,
+            self.block,
+            torch.int32,
+            0,
+            15,
+            eps=1e-6,
+            scale_dtype=dtype,
+            zero_point_dtype=dtype,
         )
         qweight = qp._quantize_affine_tinygemm(w32, self.block, scale, zero, torch.int32, 0, 15)  # [N, K] 0..15
         groups = in_features // group_size
@@ -125,12 +143,16 @@ class Int4WeightOnlyKernel:
             self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(qweight, 1)
             # [in / group, out, 2]: per group and output channel, (scale, zero).
             self.scale_and_zero = torch.stack((self.scale.t(), self.zero.t()), dim=-1).contiguous()
-        self.nbytes = self.packed.numel() * self.packed.element_size() + 2 * self.scale.numel() * self.scale.element_size()
+        self.nbytes = (
+            self.packed.numel() * self.packed.element_size() + 2 * self.scale.numel() * self.scale.element_size()
+        )
 
     def dequantized(self) -> torch.Tensor:
         if self.ops is not None:
             qweight = unpack_nibbles(self.packed, self.scale.shape[1] * self.group_size).to(torch.int32)
-            w = _primitives()._dequantize_affine_tinygemm(qweight, self.block, self.scale, self.zero, torch.int32, 0, 15)
+            w = _primitives()._dequantize_affine_tinygemm(
+                qweight, self.block, self.scale, self.zero, torch.int32, 0, 15
+            )
             return w.float()
         # aten's packed layout is opaque: run the kernel on the identity, in float32, to read W^T.
         in_features = self.scale.shape[1] * self.group_size

@@ -52,10 +52,7 @@ class DeepseekV2Attention(nn.Module):
         )
 
     def forward(self, rope: Rope, x: torch.Tensor, batch: ForwardBatch, reduce: bool = True) -> torch.Tensor:
-        if self.q_lora_rank is None:
-            q = self.q_proj(x)
-        else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = self.q_proj(x) if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q = q.view(-1, self.num_heads, self.nope + self.rope_dim)  # [tokens, heads, qk_head]
         q_nope, q_pe = q.split([self.nope, self.rope_dim], dim=-1)
         compressed, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)

@@ -263,7 +263,7 @@ class SamplingBatch:
             min_tokens_cols = torch.tensor(mt_cols, dtype=torch.long, device=device)
 
         # --- temperature and row routing --------------------------------------------------------
-        temps = [1.0 if g else p.temperature for p, g in zip(params, greedy)]
+        temps = [1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)]
         temperatures = f32(temps, B) if any(t != 1.0 for t in temps) else None
         greedy_idx = sample_idx = None
         if 0 < S < B:
@@ -295,7 +295,7 @@ class SamplingBatch:
                 top_p = f32([p.top_p for p in sp], S)
                 if not all(has_top_p):
                     top_p_off = mask([not h for h in has_top_p])
-                unbounded = [tp and not tk for tp, tk in zip(has_top_p, has_top_k)]
+                unbounded = [tp and not tk for tp, tk in zip(has_top_p, has_top_k, strict=True)]
                 if any(unbounded):
                     top_p_unbounded = mask(unbounded)
         if any(p.min_p > 0.0 for p in sp):

@@ -1,0 +1,147 @@
+"""The router's streaming path end to end against scripted fake workers (tests/router_fakes.py):
+text equals the tokenizer's decode across chunk boundaries, stop strings and stop tokens, logprobs,
+retries before the first token and the abort finish after it."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+import pytest
+
+from tests.router_fakes import FakeWorker, fake_cluster
+from tokenizer_svc.tokenizer import ModelTokenizer
+
+
+def _pieces(tok: ModelTokenizer, text: str) -> list[int]:
+    return tok.encode(text, add_special_tokens=False)
+
+
+def _run(coro_fn: Callable) -> None:
+    asyncio.run(asyncio.wait_for(coro_fn(), 60))
+
+
+def test_text_equals_decode_and_stop_string_across_multi_token_chunks(tok_dir: Path, tok: ModelTokenizer) -> None:
+    text = "The quick brown fox jumps over the lazy dog. Then it sleeps."
+    ids = _pieces(tok, text)
+    chunks = [ids[i:i + 3] for i in range(0, len(ids), 3)]  # several tokens per chunk
+
+    async def scenario() -> None:
+        worker = FakeWorker([chunks])
+        async with fake_cluster(tok_dir, [worker]) as (client, _):
+            full = (await client.complete("hi", max_new_tokens=100))[0]
+            assert full.text == tok.decode(ids) == text and full.token_ids == ids
+            assert full.finish.reason == "length" and full.finish.completion_tokens == len(ids)
+            # "lazy dog." spans token boundaries; the text stops right before it.
+            stopped = (await client.complete("hi", max_new_tokens=100, stop=["zzz", "lazy dog."],
+                                             request_id="stop-req"))[0]
+            assert stopped.text == "The quick brown fox jumps over the "
+            assert stopped.finish.reason == "stop" and stopped.finish.stop_str == "lazy dog."
+            assert stopped.finish.completion_tokens == len(stopped.token_ids) < len(ids)
+            assert tok.decode(stopped.token_ids).startswith(stopped.text + "lazy dog.")
+            included = (
+                await client.complete("hi", max_new_tokens=100, stop=["lazy dog."], include_stop_str_in_output=True)
+            )[0]
+            assert included.text == "The quick brown fox jumps over the lazy dog."
+            # The worker is told to stop generating, under the engine id the router minted (the
+            # client's id is only a label: no client can name another client's request).
+            engine_id = worker.requests[1].request_id
+            for _ in range(100):
+                if engine_id in worker.aborts:
+                    break
+                await asyncio.sleep(0.01)
+            assert engine_id.startswith("rt-") and engine_id in worker.aborts
+            assert worker.metadata[1].get("x-request-id") == engine_id
+            assert worker.metadata[1].get("x-client-request-id") == "stop-req"
+            assert list(worker.requests[1].sampling_params.stop) == []  # stop strings stay in the router
+
+    _run(scenario)
+
+
+def test_n2_stop_string_aborts_only_that_sample(tok_dir: Path, tok: ModelTokenizer) -> None:
+    a = _pieces(tok, "one two three four five six seven")
+    b = _pieces(tok, "alpha beta gamma delta epsilon")
+
+    async def scenario() -> None:
+        worker = FakeWorker([[[t] for t in a], [[t] for t in b]])
+        async with fake_cluster(tok_dir, [worker]) as (client, _):
+            out = await client.complete("hi", n=2, stop=["three"], request_id="nreq", max_new_tokens=50)
+            assert out[0].text == "one two " and out[0].finish.stop_str == "three"
+            assert out[1].text == "alpha beta gamma delta epsilon" and out[1].finish.reason == "length"
+            engine_id = worker.requests[-1].request_id
+            assert f"{engine_id}-n0" in worker.aborts and engine_id not in worker.aborts
+
+    _run(scenario)
+
+
+def test_stop_token_text_is_cut_unless_included(tok_dir: Path, tok: ModelTokenizer) -> None:
+    ids = _pieces(tok, "hello world")
+    stop_id = _pieces(tok, " again")[0]
+
+    async def scenario() -> None:
+        worker = FakeWorker([[[t] for t in ids + [stop_id]]], finish="stop", matched=stop_id)
+        async with fake_cluster(tok_dir, [worker]) as (client, _):
+            cut = (await client.complete("hi", stop_token_ids=[stop_id], max_new_tokens=20))[0]
+            assert cut.text == "hello world" and cut.token_ids[-1] == stop_id
+            assert cut.finish.reason == "stop" and cut.finish.stop_token_id == stop_id
+            kept = (
+                await client.complete(
+                    "hi", stop_token_ids=[stop_id], include_stop_str_in_output=True, max_new_tokens=20
+                )
+            )[0]
+            assert kept.text == tok.decode(ids + [stop_id])
+
+    _run(scenario)
+
+
+def test_logprobs_are_mapped(tok_dir: Path, tok: ModelTokenizer) -> None:
+    ids = _pieces(tok, "abc def")
+
+    async def scenario() -> None:
+        async with fake_cluster(tok_dir, [FakeWorker([[ids]])]) as (client, _):
+            c = (await client.complete("hi", max_new_tokens=10, top_logprobs=2))[0]
+            assert [lp.token_id for lp in c.logprobs] == ids
+            assert all(lp.logprob == -0.5 and [t.token_id for t in lp.top] == [lp.token_id, 0] for lp in c.logprobs)
+
+    _run(scenario)
+
+
+def test_failure_before_first_token_is_retried_elsewhere(tok_dir: Path, tok: ModelTokenizer) -> None:
+    ids = _pieces(tok, "retried fine")
+
+    async def scenario() -> None:
+        bad, good = FakeWorker([[ids]], fail="first"), FakeWorker([[ids]])
+        async with fake_cluster(tok_dir, [bad, good]) as (client, router):
+            texts = [(await client.complete("hi", max_new_tokens=10))[0].text for _ in range(4)]
+            assert texts == ["retried fine"] * 4
+            # Round robin sent some to the failing group (its probes pass, so it keeps coming back):
+            # each of those was retried on the other group, and no client saw an error.
+            assert len(bad.requests) >= 1 and len(good.requests) == 4
+
+    _run(scenario)
+
+
+def test_failure_mid_stream_finishes_with_abort(tok_dir: Path, tok: ModelTokenizer) -> None:
+    ids = _pieces(tok, "one two three four five six")
+
+    async def scenario() -> None:
+        async with fake_cluster(tok_dir, [FakeWorker([[[t] for t in ids]], fail="mid")]) as (client, _):
+            deltas = [d async for d in client.generate("hi", max_new_tokens=20)]
+            assert deltas[-1].finish.reason == "abort" and "INTERNAL" in deltas[-1].finish.message
+            assert list(sum((d.token_ids for d in deltas), ())) == ids[:2]
+
+    _run(scenario)
+
+
+def test_no_group_left_is_unavailable(tok_dir: Path, tok: ModelTokenizer) -> None:
+    async def scenario() -> None:
+        workers = [FakeWorker([[[1]]], fail="first"), FakeWorker([[[1]]], fail="first")]
+        async with fake_cluster(tok_dir, workers) as (client, _):
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await client.complete("hi", max_new_tokens=5)
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "scripted failure" in e.value.details()
+
+    _run(scenario)

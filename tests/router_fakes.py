@@ -1,0 +1,121 @@
+"""Scripted fake workers for the router's tests: in-process grpc.aio SglangScheduler servers whose
+streams are fixed in advance, behind a real router and a real tokenizer service, which makes
+retries, mid-stream failures and per-sample aborts deterministic."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2
+from smg_grpc_proto import sglang_scheduler_pb2 as spb
+from smg_grpc_proto import sglang_scheduler_pb2_grpc as spb_grpc
+
+from router.client import AsyncRouterClient
+from router.server import RouterOptions, start_router
+from tokenizer_svc.server import start_server as start_tokenizer
+
+TIMEOUT = 20.0
+
+
+# ---- streaming against scripted workers ----------------------------------------------------------
+
+
+class FakeWorker(spb_grpc.SglangSchedulerServicer):
+    """Streams `script[i]` (chunks of ids) for sample i, then a Complete; `fail` makes Generate fail
+    with UNAVAILABLE before anything ("first") or with INTERNAL after two chunks ("mid")."""
+
+    def __init__(self, script: list[list[list[int]]], finish: str = "length", matched: int | None = None,
+                 fail: str | None = None, step_s: float = 0.005):
+        self.script, self.finish, self.matched, self.fail, self.step_s = script, finish, matched, fail, step_s
+        self.requests: list[spb.GenerateRequest] = []
+        self.metadata: list[dict] = []
+        self.aborts: list[str] = []
+
+    async def GetModelInfo(self, request, context):  # noqa: N802
+        return spb.GetModelInfoResponse(served_model_name="fake", vocab_size=512, max_context_length=256,
+                                        max_req_input_len=255, eos_token_ids=[508])
+
+    async def GetLoads(self, request, context):  # noqa: N802
+        return spb.GetLoadsResponse(loads=[spb.SchedulerLoad(max_total_num_tokens=1000)])
+
+    async def HealthCheck(self, request, context):  # noqa: N802
+        return spb.HealthCheckResponse(healthy=True, message="ok")
+
+    async def Abort(self, request, context):  # noqa: N802
+        self.aborts.append(request.request_id)
+        return spb.AbortResponse(success=True)
+
+    async def Generate(self, request, context) -> AsyncIterator[spb.GenerateResponse]:  # noqa: N802
+        self.requests.append(request)
+        self.metadata.append(dict(context.invocation_metadata()))
+        rid = request.request_id
+        if self.fail == "first":
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "scripted failure")
+        n = request.sampling_params.n or 1
+        out: list[list[int]] = [[] for _ in range(n)]
+        done = [False] * n
+        steps = max(len(s) for s in self.script)
+        for step in range(steps):
+            if self.fail == "mid" and step == 2:
+                await context.abort(grpc.StatusCode.INTERNAL, "scripted mid-stream failure")
+            for i in range(n):
+                engine_id = rid if n == 1 else f"{rid}-n{i}"
+                if done[i]:
+                    continue
+                if engine_id in self.aborts or rid in self.aborts:
+                    done[i] = True
+                    yield spb.GenerateResponse(request_id=rid, complete=spb.GenerateComplete(
+                        output_ids=out[i], finish_reason="abort", index=i, prompt_tokens=3,
+                        completion_tokens=len(out[i])))
+                    continue
+                chunks = self.script[i]
+                if step < len(chunks):
+                    ids = chunks[step]
+                    out[i] += ids
+                    chunk = spb.GenerateStreamChunk(token_ids=ids, index=i, prompt_tokens=3,
+                                                    completion_tokens=len(out[i]))
+                    if request.return_logprob:
+                        chunk.output_logprobs.CopyFrom(spb.OutputLogProbs(
+                            token_ids=ids, token_logprobs=[-0.5] * len(ids),
+                            top_logprobs=[spb.TopLogProbs(values=[-0.5, -1.0], token_ids=[t, 0]) for t in ids]))
+                    yield spb.GenerateResponse(request_id=rid, chunk=chunk)
+                if step == len(chunks) - 1:
+                    done[i] = True
+                    complete = spb.GenerateComplete(output_ids=out[i], finish_reason=self.finish, index=i,
+                                                    prompt_tokens=3, completion_tokens=len(out[i]))
+                    if self.matched is not None:
+                        complete.matched_token_id = self.matched
+                    yield spb.GenerateResponse(request_id=rid, complete=complete)
+            await asyncio.sleep(self.step_s)
+
+
+@contextlib.asynccontextmanager
+async def fake_cluster(tok_dir: Path, workers: list[FakeWorker], policy: str = "round_robin", **options):
+    tokenizer = await start_tokenizer(tok_dir, "127.0.0.1", 0)
+    servers, addrs = [], []
+    for w in workers:
+        server = grpc.aio.server()
+        spb_grpc.add_SglangSchedulerServicer_to_server(w, server)
+        addrs.append(f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}")
+        await server.start()
+        servers.append(server)
+    router = await start_router(RouterOptions(tokenizer=f"127.0.0.1:{tokenizer.port}", workers=addrs, policy=policy,
+                                              probe_interval=0.1, **options))
+    client = AsyncRouterClient(f"127.0.0.1:{router.port}", timeout=TIMEOUT)
+    try:
+        for _ in range(200):
+            if await client.health() == health_pb2.HealthCheckResponse.SERVING:
+                break
+            await asyncio.sleep(0.02)
+        yield client, router
+    finally:
+        await client.close()
+        await router.stop(0)
+        for s in servers:
+            await s.stop(0)
+        await tokenizer.stop(0)
+
