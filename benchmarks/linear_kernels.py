@@ -1,5 +1,5 @@
 """Time the bench model's linear layers (one decode step's worth) under each CPU kernel, interleaved,
-best of N rounds: bf16 kernels, and the quantized kernels of worker_svc/quant.py (aten's and AVX2).
+best of N rounds: bf16 kernels, and the quantized kernels of worker_svc/executor/quantize.py (aten's and AVX2).
 
     python benchmarks/linear_kernels.py [--threads 2] [--rounds 6] [--rows 1 2 16] [--quantized]
 """
@@ -12,15 +12,15 @@ import time
 import torch
 import torch.nn.functional as F
 
-from worker_svc.layers.cpu_kernels import BlockedUpcastLinear, PackedFp16Linear, fbgemm_available
+from worker_svc.kernels.bf16_linear import BlockedUpcastLinear, PackedFp16Linear, fbgemm_available
 
 # One step of the `bench` preset: 8 x (qkv, o, gate_up, down) + LM head, as (out, in).
 BENCH_SHAPES = [(1536, 1024), (1024, 1024), (5632, 1024), (1024, 2816)] * 8 + [(32000, 1024)]
 
 
 def quantized_kernels(weights: list[torch.Tensor]) -> dict[str, list]:
-    from worker_svc.layers.quant_kernels import Int4WeightOnlyKernel, Int8DynamicKernel, Int8WeightOnlyKernel
-    from worker_svc.quant import cpu_quant_ops
+    from worker_svc.executor.quantize import cpu_quant_ops
+    from worker_svc.kernels.quant_linear import Int4WeightOnlyKernel, Int8DynamicKernel, Int8WeightOnlyKernel
 
     kernels: dict[str, list] = {}
     backends = {"aten": None}

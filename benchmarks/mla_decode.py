@@ -19,8 +19,8 @@ import time
 import torch
 
 from llmserve.bench.driver import StaticBatch
-from worker_svc.engine_config import EngineConfig
-from worker_svc.runner import ModelRunner
+from worker_svc.config.engine_config import EngineConfig
+from worker_svc.executor.model_runner import ModelRunner
 
 MODES = ("absorbed", "normal")
 

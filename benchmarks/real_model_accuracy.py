@@ -22,10 +22,10 @@ from tokenizers import Tokenizer
 
 from llmserve.bench.driver import greedy_with_split_prefill
 from llmserve.bench.reference_hf import hf_greedy
-from llmserve.eval.command import shipped_text
+from llmserve.commands.eval_ppl import shipped_text
 from llmserve.eval.perplexity import EngineScorer, HFScorer, perplexity
-from worker_svc.engine_config import EngineConfig
-from worker_svc.runner import ModelRunner
+from worker_svc.config.engine_config import EngineConfig
+from worker_svc.executor.model_runner import ModelRunner
 
 # int4wo-128 is not among them: SmolLM2's hidden size 576 is not a multiple of 128 (the engine refuses it).
 DEFAULT_CONFIGS = ["fp32", "bf16"] + [q + head for q in ("int8wo", "int4wo-32", "int4wo-64", "int8dq")

@@ -1,31 +1,37 @@
-"""`llmserve` command line: one subcommand per module, each adding its own subparser."""
+"""`llmserve` command line: the subcommands of llmserve/commands/, each module adding its own subparser."""
 
 import argparse
 import os
 from collections.abc import Callable, Sequence
 
-from llmserve import client_commands, parent_death, router_command, serve_command, worker_command
-from llmserve import protos_gen as gen_protos_command
-from llmserve.bench import one_batch as bench_one_batch_command
-from llmserve.eval import command as eval_ppl_command
-from llmserve.modelgen import command as make_model_command
-from llmserve.packaged_models import command as packaged_models_command
-from tokenizer_svc import command as tokenizer_command
+from llmserve import parent_death
+from llmserve.commands import (
+    bench_one_batch,
+    client,
+    eval_ppl,
+    gen_protos,
+    make_model,
+    models,
+    router,
+    serve,
+    tokenizer,
+    worker,
+)
 
 # Each entry adds one subparser and sets `func(args) -> int` as its default. New subcommands
 # (serve, worker, bench-one-batch, ...) append their module's register here.
 Register = Callable[["argparse._SubParsersAction[argparse.ArgumentParser]"], None]
 SUBCOMMANDS: tuple[Register, ...] = (
-    make_model_command.register,
-    packaged_models_command.register,
-    bench_one_batch_command.register,
-    eval_ppl_command.register,
-    gen_protos_command.register,
-    tokenizer_command.register,
-    worker_command.register,
-    serve_command.register,
-    router_command.register,
-    client_commands.register,
+    make_model.register,
+    models.register,
+    bench_one_batch.register,
+    eval_ppl.register,
+    gen_protos.register,
+    tokenizer.register,
+    worker.register,
+    serve.register,
+    router.register,
+    client.register,
 )
 
 

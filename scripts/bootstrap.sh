@@ -11,5 +11,5 @@ fi
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -e '.[worker,test,models]'
 # Compile the AVX2 CPU kernels once, here, rather than inside the first worker or test that needs them.
-.venv/bin/python -m worker_svc.layers.cpu_ext \
+.venv/bin/python -m worker_svc.kernels.cpu_ext \
   || echo "bootstrap: AVX2 CPU kernels unavailable here; workers use the torch/aten kernels" >&2

@@ -31,7 +31,7 @@ def _one_intra_op_thread():
 def _cpu_kernels_built():
     """Build (or find) the AVX2 kernels before any test starts a worker process, so no worker
     compiles them inside a start-up deadline."""
-    from worker_svc.layers import cpu_ext
+    from worker_svc.kernels import cpu_ext
 
     cpu_ext.load()
 

@@ -1,4 +1,5 @@
-"""The explicit input of one model step: which tokens, at which positions, writing which KV slots."""
+"""The explicit input of one model step (``StepInput``: which tokens, at which positions, writing which KV
+slots) and what the model's layers see of it (``ForwardBatch``)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,23 @@ if TYPE_CHECKING:
 class ForwardMode(enum.Enum):
     EXTEND = "extend"  # prefill, possibly on top of a cached prefix (chunked prefill, retraction)
     DECODE = "decode"  # exactly one new token per request
+
+
+class FatalStepError(RuntimeError):
+    """A step failed in a way that leaves the engine unusable (e.g. a tensor-parallel peer is gone):
+    the scheduler re-raises it, so the engine loop fails, instead of failing only the step's requests."""
+
+
+@dataclass
+class StepInput:
+    mode: ForwardMode
+    input_ids: torch.Tensor  # [tokens] int64
+    positions: torch.Tensor  # [tokens] int64
+    out_slots: torch.Tensor  # [tokens] int64
+    req_rows: torch.Tensor  # [batch] int64
+    seq_lens: list[int]
+    prefix_lens: list[int]
+    all_logits: bool = False  # logits at every new token (eval-ppl), not only each request's last
 
 
 @dataclass

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from worker_svc.forward_batch import ForwardMode
-from worker_svc.runner import ModelRunner, StepInput
+from worker_svc.executor.model_runner import ModelRunner
+from worker_svc.forward_batch import ForwardMode, StepInput
 
 
 class StaticBatch:

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from worker_svc.engine_config import EngineConfig
+from worker_svc.config.engine_config import EngineConfig
 
 
 @contextmanager
@@ -16,15 +16,15 @@ def open_runner(engine: EngineConfig, tp: int = 1, tp_init_addr: str | None = No
                 threads: int | None = None) -> Iterator[Any]:
     """Yields a ModelRunner (tp == 1) or a LeaderRunner over rank 0 of ``tp`` ranks; stops and joins
     the followers and destroys the group on exit."""
-    from worker_svc.runner import ModelRunner
+    from worker_svc.executor.model_runner import ModelRunner
 
     if tp < 1:
         raise ValueError(f"--tp must be at least 1, got {tp}")
     if tp == 1:
         yield ModelRunner(engine)
         return
-    from worker_svc.step_broadcast import LeaderRunner, join_followers, spawn_followers
-    from worker_svc.tp_group import destroy_tp, free_port, init_tp, rank_device
+    from worker_svc.executor.tp_runners import LeaderRunner, join_followers, spawn_followers
+    from worker_svc.parallel.group import destroy_tp, free_port, init_tp, rank_device
 
     addr = tp_init_addr or f"127.0.0.1:{free_port()}"
     followers = spawn_followers(tp, addr, [engine], threads=threads)

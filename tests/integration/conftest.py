@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from worker_svc.engine import Engine
-from worker_svc.engine_config import EngineConfig
+from worker_svc.config.engine_config import EngineConfig
+from worker_svc.engine.engine import Engine
 
 # A small KV pool and context so "can never fit" is cheap to provoke; fp32 so results are exact.
 WORKER_ENGINE = dict(
@@ -55,7 +55,7 @@ def reference_engine(worker_model) -> Engine:
 @pytest.fixture(scope="module")
 def inproc_worker(worker_model):
     """A WorkerServer on 127.0.0.1 (ephemeral port), run by a background event loop."""
-    from worker_svc.server import ServerThread, WorkerOptions, WorkerServer
+    from worker_svc.server.app import ServerThread, WorkerOptions, WorkerServer
 
     engine = Engine(worker_engine_config(worker_model))
     server = WorkerServer(engine, host="127.0.0.1", port=0, options=WorkerOptions(served_model_name="tiny-test"))

@@ -190,8 +190,8 @@ def test_serve_int4_quantized_tensor_parallel_cluster(serve, model_factory) -> N
     every per-rank input dimension is a multiple of 128) answers through the router with the same
     greedy tokens as an in-process TP=1 engine quantized the same way."""
     from llmserve.cli import build_parser
-    from worker_svc.cli_args import engine_config_from_args
-    from worker_svc.engine import Engine
+    from llmserve.commands.engine_args import engine_config_from_args
+    from worker_svc.engine.engine import Engine
     from worker_svc.sampling import SamplingParams
 
     model = model_factory("small")
@@ -210,7 +210,7 @@ def test_serve_int4_quantized_tensor_parallel_cluster(serve, model_factory) -> N
 
 def test_serve_passes_every_engine_flag_to_its_workers() -> None:
     from llmserve.cli import build_parser
-    from worker_svc.cli_args import engine_argv, engine_config_from_args
+    from llmserve.commands.engine_args import engine_argv, engine_config_from_args
 
     flags = ["--dtype", "float32", "--max-total-tokens", "64", "--context-length", "32", "--random-seed", "7",
              "--json-model-override-args", '{"rope_theta": 10000}', "--max-running-requests", "3"]

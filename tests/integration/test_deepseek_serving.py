@@ -25,7 +25,7 @@ from tests.integration.conftest import launch_worker, worker_engine_config
 from tests.integration.test_cluster import ENGINE_FLAGS, STARTUP_S, Serve, _alive
 from tests.integration.test_smg import MODEL_NAME, SMG, Gateway, _chat_prompt_ids, _expected
 from tests.integration.test_worker_server import _collect, _greedy, _prompt, _request
-from worker_svc.engine import Engine
+from worker_svc.engine.engine import Engine
 from worker_svc.sampling import SamplingParams
 
 TIMEOUT = 60

@@ -205,8 +205,8 @@ def tok(cluster: Cluster) -> ModelTokenizer:
 @pytest.fixture(scope="module")
 def reference(cluster: Cluster, tok: ModelTokenizer):
     """greedy(prompt ids, n) -> output ids, from an in-process Engine with the workers' settings."""
-    from worker_svc.engine import Engine
-    from worker_svc.engine_config import EngineConfig
+    from worker_svc.config.engine_config import EngineConfig
+    from worker_svc.engine.engine import Engine
     from worker_svc.sampling import SamplingParams
 
     engine = Engine(EngineConfig(model_path=str(cluster.model), **ENGINE))

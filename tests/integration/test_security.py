@@ -111,8 +111,8 @@ class SecureCluster:
 def cluster(tiny, pki, token_files, loop) -> Iterator[SecureCluster]:
     from router.server import RouterOptions, start_router
     from tokenizer_svc.server import start_server
-    from worker_svc.engine import Engine
-    from worker_svc.server import ServerThread, WorkerOptions, WorkerServer
+    from worker_svc.engine.engine import Engine
+    from worker_svc.server.app import ServerThread, WorkerOptions, WorkerServer
 
     internal_server = ServerSecurity(ServerTls.from_files(pki.server_cert, pki.server_key),
                                      TokenTable.from_file(token_files["internal"], "--internal-token-file"))

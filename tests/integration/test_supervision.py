@@ -243,7 +243,7 @@ def test_no_child_outlives_a_killed_serve(serve):
 def _start_ranks(model: Path, workdir: Path, secrets: tuple[bytes, bytes], *leader_flags: str,
                  connect_timeout: float = 120.0):
     from tests.integration.test_tp_worker import _start_rank
-    from worker_svc.tp_group import free_port
+    from worker_svc.parallel.group import free_port
 
     addr = f"127.0.0.1:{free_port()}"
     ranks = []

@@ -26,8 +26,8 @@ from smg_grpc_proto import sglang_scheduler_pb2 as pb
 from smg_grpc_proto import sglang_scheduler_pb2_grpc as pb_grpc
 
 from tests.integration.conftest import WORKER_ENGINE, engine_cli_flags
+from worker_svc.parallel.group import free_port
 from worker_svc.sampling import SamplingParams
-from worker_svc.tp_group import free_port
 
 FAULT_TIMEOUT_S = 4.0  # --tp-timeout of the fault tests
 SLACK_S = 6.0  # scheduling noise on a shared 2-core machine

@@ -21,8 +21,8 @@ from smg_grpc_proto import sglang_scheduler_pb2_grpc as pb_grpc
 
 from tests.integration.conftest import worker_engine_config
 from tests.integration.test_worker_server import TIMEOUT, _collect, _prompt, _request
-from worker_svc.engine import Engine
-from worker_svc.server import SERVICE_NAME, ServerThread, WorkerOptions, WorkerServer
+from worker_svc.engine.engine import Engine
+from worker_svc.server.app import SERVICE_NAME, ServerThread, WorkerOptions, WorkerServer
 
 GENERATE = f"/{SERVICE_NAME}/Generate"
 ABORT = f"/{SERVICE_NAME}/Abort"
@@ -367,7 +367,7 @@ def test_worker_command_step_stall_timeout_flag(worker_model, worker_process_fac
 def test_worker_flags_reach_the_worker_options(worker_model):
     import argparse
 
-    from llmserve.worker_command import register, worker_options
+    from llmserve.commands.worker import register, worker_options
 
     parser = argparse.ArgumentParser()
     register(parser.add_subparsers())
@@ -469,7 +469,7 @@ def worker_rss_under_mixed_prompts(
 def test_worker_rss_levels_off_and_a_fixed_mmap_threshold_keeps_it_flat(worker_model, worker_process_factory):
     """F12: RSS rises with traffic of changing shapes to a plateau (glibc's self-raising mmap
     threshold keeps freed temporaries in the heap) and then stays; `--malloc-mmap-threshold` keeps
-    it near the idle figure from the start (worker_svc/native_memory.py)."""
+    it near the idle figure from the start (worker_svc/server/native_memory.py)."""
     idle, warm, after = worker_rss_under_mixed_prompts(worker_process_factory, worker_model)
     print(f"default: idle {idle:.0f}, warm {warm:.0f}, after {after:.0f} MB")
     assert after - warm < 0.05 * warm, f"RSS kept growing after warm-up: {warm:.0f} -> {after:.0f} MB"

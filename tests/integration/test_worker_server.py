@@ -24,11 +24,11 @@ from smg_grpc_proto.generated import common_pb2
 from tokenizers import Tokenizer
 
 from tests.integration.conftest import WORKER_ENGINE, worker_engine_config
-from worker_svc import grpc_convert
-from worker_svc.engine import Engine
-from worker_svc.request import FinishReason
+from worker_svc.engine.engine import Engine
+from worker_svc.engine.request import FinishReason
 from worker_svc.sampling import SamplingParams
-from worker_svc.server import SERVICE_NAME, ServerThread, WorkerServer
+from worker_svc.server.app import SERVICE_NAME, ServerThread, WorkerServer
+from worker_svc.server.app import convert as grpc_convert
 
 VOCAB = 512  # tiny preset; ids 507.. are special tokens
 POOL = WORKER_ENGINE["max_total_tokens"]
@@ -93,7 +93,7 @@ def stub(channel) -> pb_grpc.SglangSchedulerStub:
 @pytest.fixture
 def finished(inproc_worker, monkeypatch) -> list[tuple[str, FinishReason]]:
     """(engine rid, finish reason) of every request the engine finishes during the test. The worker
-    mints engine ids ``<request_id>#<seq>`` (worker_svc/calls.py)."""
+    mints engine ids ``<request_id>#<seq>`` (worker_svc/server/calls.py)."""
     records: list[tuple[str, FinishReason]] = []
     loop = inproc_worker.server.loop
     dispatch = loop._dispatch
@@ -448,7 +448,7 @@ def test_engine_loop_sleeps_when_idle_and_stops_gracefully(worker_model):
     finish or aborts them, joins, and refuses new ones."""
     import queue
 
-    from worker_svc.engine_loop import EngineLoop, EngineUnavailable, LoopState
+    from worker_svc.engine.engine_loop import EngineLoop, EngineUnavailable, LoopState
 
     def run_one(abort_in_flight: bool, max_new: int):
         loop = EngineLoop(Engine(worker_engine_config(worker_model)))

@@ -11,8 +11,8 @@ import torch
 from worker_svc.attention.base import AttentionLayer
 from worker_svc.attention.torch_native import TorchNativeAttentionBackend
 from worker_svc.forward_batch import ForwardBatch, ForwardMode
+from worker_svc.kernels import cpu_ext
 from worker_svc.kvcache import MHAKVPool
-from worker_svc.layers import cpu_ext
 
 CPU_OPS = cpu_ext.load()
 needs_cpu_ops = pytest.mark.skipif(CPU_OPS is None, reason="AVX2 kernels unavailable on this host")

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from worker_svc.layers.cpu_kernels import BlockedUpcastLinear, cpu_has_native_bf16
+from worker_svc.kernels.bf16_linear import BlockedUpcastLinear, cpu_has_native_bf16
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 16, 130])
@@ -50,7 +50,7 @@ fbgemm = pytest.mark.skipif(
 @pytest.mark.parametrize("rows", [1, 3, 16, 64])
 @pytest.mark.parametrize("gemv_from_bf16", [False, True])
 def test_packed_fp16_matches_fp32_reference(rows, gemv_from_bf16):
-    from worker_svc.layers.cpu_kernels import PackedFp16Linear
+    from worker_svc.kernels.bf16_linear import PackedFp16Linear
 
     gen = torch.Generator().manual_seed(rows)
     weight = (torch.randn(300, 64, generator=gen) * 0.05).to(torch.bfloat16)
@@ -66,7 +66,7 @@ def test_packed_fp16_matches_fp32_reference(rows, gemv_from_bf16):
 
 @fbgemm
 def test_packed_fp16_rejects_weights_beyond_fp16_range():
-    from worker_svc.layers.cpu_kernels import PackedFp16Linear
+    from worker_svc.kernels.bf16_linear import PackedFp16Linear
 
     weight = torch.ones(4, 8, dtype=torch.bfloat16)
     weight[0, 0] = 70000.0

@@ -13,11 +13,11 @@ import torch
 from llmserve.bench.driver import StaticBatch, chunked_prefill_logits, greedy_with_split_prefill
 from llmserve.modelgen.presets import yarn_rope_scaling
 from tests.unit.oracle import encode_prompts, hf_reference, run_with_late_arrivals
-from worker_svc.config import ConfigError, parse_model_config
-from worker_svc.engine import Engine
-from worker_svc.engine_config import EngineConfig
+from worker_svc.config.engine_config import EngineConfig
+from worker_svc.config.model_config import ConfigError, parse_model_config
+from worker_svc.engine.engine import Engine
+from worker_svc.executor.model_runner import ModelRunner
 from worker_svc.kvcache import MLAKVPool
-from worker_svc.runner import ModelRunner
 from worker_svc.sampling import SamplingParams
 
 pytest.importorskip("transformers")

@@ -1,4 +1,4 @@
-"""Quantization of DeepSeek-V2 (worker_svc/quant.py): attention projections and MoE experts (routed and
+"""Quantization of DeepSeek-V2 (worker_svc/executor/quantize.py): attention projections and MoE experts (routed and
 shared) run the quantized CPU kernels and compute what their quantized weights mean (logits equal the
 dequantized fp32 reference within 1e-3 relative); kv_b_proj is kept unquantized for the absorbed decode,
 which still equals the normal (decompressing) decode."""
@@ -10,10 +10,10 @@ import torch
 
 from llmserve.bench.driver import greedy_with_split_prefill
 from tests.unit.oracle import encode_prompts
-from worker_svc.engine_config import EngineConfig
-from worker_svc.layers.quant_kernels import Int4WeightOnlyKernel, Int8WeightOnlyKernel
-from worker_svc.quant import dequantized_reference
-from worker_svc.runner import ModelRunner
+from worker_svc.config.engine_config import EngineConfig
+from worker_svc.executor.model_runner import ModelRunner
+from worker_svc.executor.quantize import dequantized_reference
+from worker_svc.kernels.quant_linear import Int4WeightOnlyKernel, Int8WeightOnlyKernel
 
 OUTPUT_LEN = 8
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from llmserve.router_command import add_limit_args, limit_argv
-from llmserve.worker_command import add_worker_limit_args, worker_limit_argv
+from llmserve.commands.router import add_limit_args, limit_argv
+from llmserve.commands.worker import add_worker_limit_args, worker_limit_argv
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:

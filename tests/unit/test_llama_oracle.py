@@ -8,9 +8,9 @@ import torch
 
 from llmserve.bench.driver import chunked_prefill_logits, greedy_with_split_prefill
 from tests.unit.oracle import encode_prompts, hf_reference, run_with_late_arrivals
-from worker_svc.engine import Engine
-from worker_svc.engine_config import EngineConfig
-from worker_svc.runner import ModelRunner
+from worker_svc.config.engine_config import EngineConfig
+from worker_svc.engine.engine import Engine
+from worker_svc.executor.model_runner import ModelRunner
 from worker_svc.sampling import SamplingParams
 
 pytest.importorskip("transformers")

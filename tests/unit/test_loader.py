@@ -13,10 +13,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from llmserve.bench.driver import StaticBatch
-from worker_svc.config import SUPPORTED_ARCHITECTURES, SUPPORTED_ROPE_TYPES, ConfigError, load_model_config
-from worker_svc.engine_config import EngineConfig
-from worker_svc.loader import CheckpointError
-from worker_svc.runner import ModelRunner
+from worker_svc.config.engine_config import EngineConfig
+from worker_svc.config.model_config import SUPPORTED_ARCHITECTURES, SUPPORTED_ROPE_TYPES, ConfigError, load_model_config
+from worker_svc.executor.model_loader import CheckpointError
+from worker_svc.executor.model_runner import ModelRunner
 
 PROMPTS = [[5, 17, 300, 42, 9, 77, 120], [400, 3, 250]]
 

@@ -1,4 +1,4 @@
-"""RMSNorm: the C++ ops (layers/csrc/rms_norm_avx2.cpp) equal the torch path they replace, which
+"""RMSNorm: the C++ ops (kernels/csrc/rms_norm_avx2.cpp) equal the torch path they replace, which
 the model oracle tests hold to HF's LlamaRMSNorm."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from worker_svc.layers import cpu_ext
+from worker_svc.kernels import cpu_ext
 from worker_svc.layers.norm import RMSNorm
 
 CPU_OPS = cpu_ext.load()

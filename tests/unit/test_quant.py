@@ -8,10 +8,10 @@ import torch
 
 from llmserve.bench.driver import greedy_with_split_prefill
 from tests.unit.oracle import encode_prompts
-from worker_svc.engine_config import EngineConfig
-from worker_svc.layers import cpu_ext
-from worker_svc.quant import QuantConfigError, cpu_quant_ops, dequantized_reference, parse_quant_config
-from worker_svc.runner import ModelRunner
+from worker_svc.config.engine_config import EngineConfig
+from worker_svc.executor.model_runner import ModelRunner
+from worker_svc.executor.quantize import QuantConfigError, cpu_quant_ops, dequantized_reference, parse_quant_config
+from worker_svc.kernels import cpu_ext
 
 WEIGHT_ONLY = ["int8wo", "int4wo-32", "int4wo-64"]
 
@@ -50,7 +50,7 @@ def test_int8dq_aten_kernel_matches_its_reference_per_layer(rows):
     """int8dq also quantizes activations per token, a step function: through a whole model, 1-ulp
     differences upstream flip an occasional rounding, so the kernel is held to the reference layer
     by layer on identical inputs (weight-only configs are held to it on whole-model logits above)."""
-    from worker_svc.layers.quant_kernels import Int8DynamicKernel
+    from worker_svc.kernels.quant_linear import Int8DynamicKernel
 
     gen = torch.Generator().manual_seed(rows)
     weight = torch.randn(96, 64, generator=gen) * 0.05

@@ -1,4 +1,4 @@
-"""The AVX2 quantized-linear kernels (worker_svc/layers/csrc/quant_linear_avx2.cpp) against the fp32
+"""The AVX2 quantized-linear kernels (worker_svc/kernels/csrc/quant_linear_avx2.cpp) against the fp32
 arithmetic they stand for, over the shapes that exercise every register-block edge: 1-9 activation
 rows (full blocks of 4 and the 1-3 remainders), output features that are not a multiple of the
 weight-row block, input features with a tail that is not a multiple of the vector width (int8)."""
@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from worker_svc.layers import cpu_ext
-from worker_svc.layers.quant_kernels import (
+from worker_svc.kernels import cpu_ext
+from worker_svc.kernels.quant_linear import (
     Int4WeightOnlyKernel,
     Int8DynamicKernel,
     Int8WeightOnlyKernel,

@@ -13,13 +13,13 @@ import torch
 from tokenizers import Tokenizer
 
 from llmserve.bench.driver import greedy_with_split_prefill
-from llmserve.bench.one_batch import DEFAULT_PROMPTS
-from llmserve.eval.command import shipped_text
+from llmserve.commands.bench_one_batch import DEFAULT_PROMPTS
+from llmserve.commands.eval_ppl import shipped_text
 from llmserve.eval.perplexity import EngineScorer, HFScorer, perplexity
 from tests.unit.oracle import hf_reference
 from tokenizer_svc.tokenizer import ModelTokenizer
-from worker_svc.engine_config import EngineConfig
-from worker_svc.runner import ModelRunner
+from worker_svc.config.engine_config import EngineConfig
+from worker_svc.executor.model_runner import ModelRunner
 
 OUTPUT_LEN = 32
 EVAL_TOKENS = 1200  # of the shipped text: 3 windows of 512 at stride 384, enough to show agreement

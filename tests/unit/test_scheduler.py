@@ -14,13 +14,13 @@ import pytest
 import torch
 
 from llmserve.bench.driver import StaticBatch
-from worker_svc.engine import Engine
-from worker_svc.engine_config import EngineConfig
-from worker_svc.forward_batch import ForwardMode
-from worker_svc.request import FinishReason, RequestError
-from worker_svc.runner import ModelRunner, StepInput
+from worker_svc.config.engine_config import EngineConfig
+from worker_svc.engine.engine import Engine
+from worker_svc.engine.request import FinishReason, RequestError
+from worker_svc.engine.scheduler import Scheduler
+from worker_svc.executor.model_runner import ModelRunner
+from worker_svc.forward_batch import ForwardMode, StepInput
 from worker_svc.sampling import SamplingParams
-from worker_svc.scheduler import Scheduler
 
 VOCAB = 512  # the tiny preset
 GREEDY = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)

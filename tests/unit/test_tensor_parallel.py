@@ -22,8 +22,10 @@ from safetensors.torch import load_file, save_file
 from llmserve.bench.driver import chunked_prefill_logits, greedy_with_split_prefill
 from llmserve.eval.perplexity import EngineScorer
 from tests.unit.oracle import encode_prompts
-from worker_svc.engine_config import EngineConfig
-from worker_svc.forward_batch import ForwardMode
+from worker_svc.config.engine_config import EngineConfig
+from worker_svc.executor.model_runner import ModelRunner
+from worker_svc.executor.tp_runners import LeaderRunner, join_followers, spawn_followers
+from worker_svc.forward_batch import ForwardMode, StepInput
 from worker_svc.layers.embedding import VocabParallelEmbedding
 from worker_svc.layers.linear import (
     ColumnParallelLinear,
@@ -31,10 +33,9 @@ from worker_svc.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
-from worker_svc.runner import ModelRunner, StepInput
-from worker_svc.step_broadcast import LeaderRunner, join_followers, pack_step, spawn_followers, unpack_step
-from worker_svc.tp import TPContext
-from worker_svc.tp_group import backend_for, destroy_tp, free_port, init_tp
+from worker_svc.parallel.context import TPContext
+from worker_svc.parallel.group import backend_for, destroy_tp, free_port, init_tp
+from worker_svc.parallel.step_broadcast import pack_step, unpack_step
 
 OUTPUT_LEN = 16
 ATOL = 1e-4

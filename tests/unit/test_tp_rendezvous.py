@@ -15,9 +15,9 @@ from datetime import timedelta
 import pytest
 
 from tests.procfs import is_loopback, listening_sockets
-from worker_svc.tp import TPContext
-from worker_svc.tp_group import free_port, open_store
-from worker_svc.tp_heartbeat import (
+from worker_svc.parallel.context import TPContext
+from worker_svc.parallel.group import free_port, open_store
+from worker_svc.parallel.heartbeat import (
     MAC_LEN,
     MAGIC,
     NONCE_LEN,

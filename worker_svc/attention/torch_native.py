@@ -5,7 +5,7 @@ Decode gathers every request's cached K/V into one padded [batch, max_len, kv_he
 sharing a KV head become the rows of one matmul, so GQA needs no K/V repetition. On the CPU this is
 several times faster than SDPA's flash kernel for one query token (docs/benchmarks.md). On x86 CPUs
 with AVX2 the runner picks ``decode_impl="avx2"``: the same fp32 arithmetic in one C++ kernel
-(layers/csrc/decode_attention_avx2.cpp) that reads each request's slots in place, instead of ~10 small
+(kernels/csrc/decode_attention_avx2.cpp) that reads each request's slots in place, instead of ~10 small
 torch ops per layer. SDPA stays selectable (``decode_impl="sdpa"``) and the tests hold the three
 equal. Extend runs one SDPA per request with a causal mask offset by the cached prefix.
 """

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker_svc.layers.linear import ShapeMismatchError, SliceableTensor, source_shape
-from worker_svc.tp import TPContext
+from worker_svc.parallel.context import TPContext
 
 
 def _vocab_range(vocab_size: int, tp: TPContext) -> tuple[int, int]:

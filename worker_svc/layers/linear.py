@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker_svc.tp import TPContext
+from worker_svc.parallel.context import TPContext
 
 
 class SliceableTensor(Protocol):

@@ -12,10 +12,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker_svc.config import DeepseekV2Fields
+from worker_svc.config.model_config import DeepseekV2Fields
 from worker_svc.layers.activation import silu_and_mul
 from worker_svc.layers.linear import MergedColumnParallelLinear, RowParallelLinear
-from worker_svc.tp import TPContext
+from worker_svc.parallel.context import TPContext
 
 
 class GatedMLP(nn.Module):

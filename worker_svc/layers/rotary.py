@@ -15,7 +15,7 @@ import math
 import torch
 from torch import nn
 
-from worker_svc.config import RopeConfig
+from worker_svc.config.model_config import RopeConfig
 
 
 def rope_inv_freq(rope: RopeConfig, rotary_dim: int) -> torch.Tensor:

@@ -11,14 +11,14 @@ import torch
 from torch import nn
 
 from worker_svc.attention.base import MLAAttentionLayer
-from worker_svc.config import ModelConfig
+from worker_svc.config.model_config import ModelConfig
 from worker_svc.forward_batch import ForwardBatch
 from worker_svc.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from worker_svc.layers.linear import ColumnParallelLinear, KernelLinear, RowParallelLinear
 from worker_svc.layers.moe import DeepseekMoE, GatedMLP
 from worker_svc.layers.norm import RMSNorm
 from worker_svc.layers.rotary import RotaryEmbedding, apply_rotary_interleaved, softmax_scale_factor
-from worker_svc.tp import TPContext
+from worker_svc.parallel.context import TPContext
 
 Rope = tuple[torch.Tensor, torch.Tensor]
 

@@ -11,14 +11,14 @@ import torch
 from torch import nn
 
 from worker_svc.attention.base import AttentionLayer
-from worker_svc.config import ModelConfig
+from worker_svc.config.model_config import ModelConfig
 from worker_svc.forward_batch import ForwardBatch
 from worker_svc.layers.activation import silu_and_mul
 from worker_svc.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from worker_svc.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from worker_svc.layers.norm import RMSNorm
 from worker_svc.layers.rotary import RotaryEmbedding, apply_rotary
-from worker_svc.tp import TPContext
+from worker_svc.parallel.context import TPContext
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each [tokens, 1, head_dim]
 

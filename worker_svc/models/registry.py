@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from worker_svc.config import SUPPORTED_ARCHITECTURES, ConfigError
+from worker_svc.config.model_config import SUPPORTED_ARCHITECTURES, ConfigError
 from worker_svc.models.deepseek_v2 import DeepseekV2ForCausalLM
 from worker_svc.models.llama import LlamaForCausalLM
 

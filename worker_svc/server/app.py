@@ -1,13 +1,13 @@
 """The model worker's gRPC server: ``sglang.grpc.scheduler.SglangScheduler`` plus ``grpc.health.v1``.
 
 A thin servicer on grpc.aio. Each Generate call converts its request (grpc_convert.py), submits one
-engine request per sample to the :class:`~worker_svc.engine_loop.EngineLoop` and relays the step
+engine request per sample to the :class:`~worker_svc.engine.engine_loop.EngineLoop` and relays the step
 outputs that the engine thread pushes onto the call's asyncio queue. When the call ends for any
 reason (client cancel, deadline, the consumer going away, an error) every engine request it still
 has in flight is aborted, so KV slots are freed.
 
 Engine request ids are the worker's own, one per sample per call; a caller's request_id is only a
-label that Abort goes by (worker_svc/calls.py). Requests that do not parse (invalid UTF-8 in a
+label that Abort goes by (worker_svc/server/calls.py). Requests that do not parse (invalid UTF-8 in a
 string field, garbage) are INVALID_ARGUMENT naming the field (llmserve/grpc_wire.py).
 
 Status codes: INVALID_ARGUMENT for parameters that can never be served or a message that does not
@@ -44,12 +44,12 @@ from llmserve.grpc_listen import grpc_address, listen
 from llmserve.grpc_wire import InvalidRequest, tolerant
 from llmserve.message_limits import message_size_options
 from llmserve.security import HEALTH_METHODS, ServerSecurity
-from worker_svc import grpc_convert
-from worker_svc.calls import CallRegistry
-from worker_svc.engine import Engine
-from worker_svc.engine_loop import EngineLoop, EngineUnavailable, LoopState
-from worker_svc.request import RequestError, StepOutput
+from worker_svc.engine.engine import Engine
+from worker_svc.engine.engine_loop import EngineLoop, EngineUnavailable, LoopState
+from worker_svc.engine.request import RequestError, StepOutput
 from worker_svc.sampling import SamplingParams
+from worker_svc.server.app import convert as grpc_convert
+from worker_svc.server.calls import CallRegistry
 
 log = structlog.get_logger(__name__)
 

@@ -45,7 +45,7 @@ from google.protobuf import json_format, struct_pb2, timestamp_pb2
 from smg_grpc_proto import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import common_pb2
 
-from worker_svc.request import RequestError, StepOutput
+from worker_svc.engine.request import RequestError, StepOutput
 from worker_svc.sampling import SamplingParams
 
 # Files a gateway needs to rebuild the tokenizer (and its chat template and generation defaults).

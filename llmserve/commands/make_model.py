@@ -4,8 +4,8 @@ import argparse
 import sys
 import time
 
+from llmserve.commands.engine_args import json_object
 from llmserve.modelgen.presets import ARCHS, PLANNED_ARCHS, PRESETS
-from worker_svc.cli_args import json_object
 
 
 def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 import structlog
 import torch
 
-from worker_svc.forward_batch import ForwardMode
-from worker_svc.request import FinishReason, Request, RequestError, StepOutput
-from worker_svc.runner import FatalStepError, ModelRunner, StepInput
+from worker_svc.engine.request import FinishReason, Request, RequestError, StepOutput
+from worker_svc.executor.model_runner import ModelRunner
+from worker_svc.forward_batch import FatalStepError, ForwardMode, StepInput
 from worker_svc.sampling import SampleOutput, Sampler, SamplingBatch, SamplingParamError
 
 log = structlog.get_logger(__name__)

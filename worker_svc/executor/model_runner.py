@@ -8,52 +8,33 @@ updated here from the step, not by the scheduler.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import structlog
 import torch
 
 from worker_svc.attention.torch_native import TorchNativeAttentionBackend
 from worker_svc.attention.torch_native_mla import TorchNativeMLABackend
-from worker_svc.config import ModelConfig, load_model_config
-from worker_svc.engine_config import EngineConfig
-from worker_svc.forward_batch import ForwardBatch, ForwardMode
-from worker_svc.kvcache import KVSlotAllocator, MHAKVPool, MLAKVPool, ReqToTokenTable
-from worker_svc.layers import cpu_ext
-from worker_svc.layers.cpu_kernels import (
+from worker_svc.config.engine_config import EngineConfig
+from worker_svc.config.model_config import ModelConfig, load_model_config
+from worker_svc.executor.model_loader import load_checkpoint
+from worker_svc.executor.quantize import check_alignment, check_runnable, parse_quant_config, quantize_model
+from worker_svc.forward_batch import ForwardBatch, ForwardMode, StepInput
+from worker_svc.kernels import cpu_ext
+from worker_svc.kernels.bf16_linear import (
     BlockedUpcastLinear,
     PackedFp16Linear,
     cpu_has_native_bf16,
     fbgemm_available,
 )
+from worker_svc.kvcache import KVSlotAllocator, MHAKVPool, MLAKVPool, ReqToTokenTable
 from worker_svc.layers.embedding import ParallelLMHead
 from worker_svc.layers.linear import KernelLinear, embedding_parameter_ids, release_weight
 from worker_svc.layers.norm import RMSNorm
-from worker_svc.loader import load_checkpoint
 from worker_svc.models.registry import model_class
-from worker_svc.quant import check_alignment, check_runnable, parse_quant_config, quantize_model
-from worker_svc.tp import TPContext
+from worker_svc.parallel.context import TPContext
 
 log = structlog.get_logger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class FatalStepError(RuntimeError):
-    """A step failed in a way that leaves the engine unusable (e.g. a tensor-parallel peer is gone):
-    the scheduler re-raises it, so the engine loop fails, instead of failing only the step's requests."""
-
-
-@dataclass
-class StepInput:
-    mode: ForwardMode
-    input_ids: torch.Tensor  # [tokens] int64
-    positions: torch.Tensor  # [tokens] int64
-    out_slots: torch.Tensor  # [tokens] int64
-    req_rows: torch.Tensor  # [batch] int64
-    seq_lens: list[int]
-    prefix_lens: list[int]
-    all_logits: bool = False  # logits at every new token (eval-ppl), not only each request's last
 
 
 def resolve_dtype(requested: str, config: ModelConfig, device: torch.device) -> torch.dtype:

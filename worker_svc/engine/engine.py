@@ -8,12 +8,12 @@ import itertools
 from dataclasses import dataclass
 from typing import Any
 
-from worker_svc.engine_config import EngineConfig
-from worker_svc.request import FinishReason, Request
-from worker_svc.runner import ModelRunner
+from worker_svc.config.engine_config import EngineConfig
+from worker_svc.engine.request import FinishReason, Request
+from worker_svc.engine.scheduler import Scheduler
+from worker_svc.executor.model_runner import ModelRunner
+from worker_svc.parallel.context import TPContext
 from worker_svc.sampling import SamplingParams, make_generator
-from worker_svc.scheduler import Scheduler
-from worker_svc.tp import TPContext
 
 
 @dataclass

@@ -40,12 +40,12 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from worker_svc.engine import Engine
-from worker_svc.engine_config import EngineConfig
-from worker_svc.engine_loop import EngineLoop
-from worker_svc.step_broadcast import TPGroupFailed
-from worker_svc.tp import TPContext
-from worker_svc.tp_heartbeat import FollowerHeartbeat, LeaderHeartbeat, new_secret
+from worker_svc.config.engine_config import EngineConfig
+from worker_svc.engine.engine import Engine
+from worker_svc.engine.engine_loop import EngineLoop
+from worker_svc.executor.tp_runners import TPGroupFailed
+from worker_svc.parallel.context import TPContext
+from worker_svc.parallel.heartbeat import FollowerHeartbeat, LeaderHeartbeat, new_secret
 
 log = structlog.get_logger(__name__)
 
@@ -58,7 +58,7 @@ SECRET_FD_ENV = "LLMSERVE_TP_SECRET_FD"
 
 
 def _rank_config(config: EngineConfig, rank: int) -> EngineConfig:
-    from worker_svc.tp_group import rank_device
+    from worker_svc.parallel.group import rank_device
 
     device = str(rank_device(config.device, rank))
     return config if device == config.device else dataclasses.replace(config, device=device)
@@ -98,9 +98,9 @@ class TPLeader:
         """Join as rank 0, load the shard, wait until every follower loaded and opened its heartbeat.
         ``children`` are follower processes this leader started (waited for at shutdown). ``secret``:
         the group's heartbeat secret; ``None`` makes one and publishes it in the rendezvous store."""
-        from worker_svc.runner import ModelRunner
-        from worker_svc.step_broadcast import LeaderRunner
-        from worker_svc.tp_group import init_tp, tp_barrier
+        from worker_svc.executor.model_runner import ModelRunner
+        from worker_svc.executor.tp_runners import LeaderRunner
+        from worker_svc.parallel.group import init_tp, tp_barrier
 
         children = list(children)
         tp = init_tp(0, size, init_addr, config.device, timeout_s, connect_timeout_s)
@@ -163,7 +163,7 @@ class TPLeader:
     def shutdown(self, join_timeout_s: float = 30.0) -> int:
         """After the server stopped: STOP the followers (when the group is intact), close the heartbeat,
         wait for child processes. Returns the exit code: 0 clean, 1 when the group had failed."""
-        from worker_svc.tp_group import destroy_tp
+        from worker_svc.parallel.group import destroy_tp
 
         loop = self.loop
         clean = not self.failed and (loop is None or not loop.thread_alive)
@@ -273,10 +273,10 @@ async def serve_follower(
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     from llmserve.grpc_listen import grpc_address, listen
-    from worker_svc.runner import ModelRunner
-    from worker_svc.server import WorkerHealth
-    from worker_svc.step_broadcast import FollowerLoop
-    from worker_svc.tp_group import destroy_tp, init_tp, tp_barrier
+    from worker_svc.executor.model_runner import ModelRunner
+    from worker_svc.executor.tp_runners import FollowerLoop
+    from worker_svc.parallel.group import destroy_tp, init_tp, tp_barrier
+    from worker_svc.server.app import WorkerHealth
 
     tp = await asyncio.to_thread(init_tp, rank, size, init_addr, config.device, timeout_s, connect_timeout_s)
     if secret is None:

@@ -39,10 +39,10 @@ class EngineConfig:
     # memory); "fbgemm_fp16_lowmem" keeps only the packed copy.
     cpu_bf16_linear: str = "auto"
 
-    # Weight quantization of this rank's shard (worker_svc/quant.py), e.g. "int4wo-128".
+    # Weight quantization of this rank's shard (worker_svc/executor/quantize.py), e.g. "int4wo-128".
     torchao_config: str = "none"
     quantize_lm_head: bool = False
-    # Kernels for quantized layers on the CPU (worker_svc/quant.py): "auto" picks this project's AVX2
+    # Kernels for quantized layers on the CPU (worker_svc/executor/quantize.py): "auto" picks this project's AVX2
     # kernels on AVX2-only CPUs (aten's are scalar there) and aten's elsewhere.
     cpu_quant_kernel: str = "auto"
 

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 
 import structlog
 
-from worker_svc.engine import Engine
-from worker_svc.request import Request, StepOutput
+from worker_svc.engine.engine import Engine
+from worker_svc.engine.request import Request, StepOutput
 from worker_svc.sampling import SamplingParams
 
 log = structlog.get_logger(__name__)

@@ -1,9 +1,9 @@
-"""CPU kernels for quantized linear layers (worker_svc/quant.py applies them).
+"""CPU kernels for quantized linear layers (worker_svc/executor/quantize.py applies them).
 
 Each class quantizes one layer's weight with torchao's primitives (``choose_qparams_affine``,
 ``quantize_affine`` and the tinygemm variants), keeps only the quantized copy in the chosen kernel's
 layout, and is called like ``F.linear``. ``ops`` is the AVX2 kernel set (``torch.ops.llmserve_cpu``,
-layers/csrc/quant_linear_avx2.cpp) or None for aten's. ``dequantized()`` gives the fp32 weight the
+kernels/csrc/quant_linear_avx2.cpp) or None for aten's. ``dequantized()`` gives the fp32 weight the
 quantized values mean: the reference the tests hold both kernel sets to.
 """
 

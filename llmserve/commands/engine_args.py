@@ -7,7 +7,7 @@ import argparse
 import json
 from typing import Any
 
-from worker_svc.engine_config import (
+from worker_svc.config.engine_config import (
     CPU_BF16_LINEAR_KERNELS,
     CPU_QUANT_KERNELS,
     DTYPES,

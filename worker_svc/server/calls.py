@@ -31,9 +31,9 @@ import time
 
 import structlog
 
-from worker_svc.engine_loop import EngineLoop
-from worker_svc.grpc_convert import SampleState
-from worker_svc.request import FinishReason, StepOutput
+from worker_svc.engine.engine_loop import EngineLoop
+from worker_svc.engine.request import FinishReason, StepOutput
+from worker_svc.server.convert import SampleState
 
 log = structlog.get_logger(__name__)
 

@@ -33,8 +33,8 @@ from collections.abc import Callable
 
 import structlog
 
-from worker_svc.tp import TPContext
-from worker_svc.tp_group import bound_listener
+from worker_svc.parallel.context import TPContext
+from worker_svc.parallel.group import bound_listener
 
 log = structlog.get_logger(__name__)
 

@@ -19,7 +19,7 @@ with one of two kernel sets (``--cpu-quant-kernel``; the kernel classes are in l
   grouped asymmetric) and ``_int_mm`` (int8 x int8, dynamic per-token activations). They are
   vectorized for AVX-512 only: on an AVX2-only CPU they run scalar loops, and ``_int_mm`` is slower
   than bf16 at every batch size.
-- ``avx2``: this project's kernels (layers/csrc/quant_linear_avx2.cpp, built on first use), the
+- ``avx2``: this project's kernels (kernels/csrc/quant_linear_avx2.cpp, built on first use), the
   same arithmetic vectorized for AVX2 + FMA. ``auto`` picks them on AVX2-only CPUs.
 
 Each kernel can also produce its dequantized weight, which the tests use as the reference.
@@ -44,10 +44,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker_svc.layers import cpu_ext
+from worker_svc.kernels import cpu_ext
+from worker_svc.kernels.quant_linear import Int4WeightOnlyKernel, Int8DynamicKernel, Int8WeightOnlyKernel
 from worker_svc.layers.embedding import ParallelLMHead
 from worker_svc.layers.linear import KernelLinear, RowParallelLinear, embedding_parameter_ids, release_weight
-from worker_svc.layers.quant_kernels import Int4WeightOnlyKernel, Int8DynamicKernel, Int8WeightOnlyKernel
 
 log = structlog.get_logger(__name__)
 

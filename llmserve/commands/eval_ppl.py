@@ -10,7 +10,7 @@ import time
 from importlib import resources
 from pathlib import Path
 
-from worker_svc.cli_args import add_engine_args, engine_config_from_args
+from llmserve.commands.engine_args import add_engine_args, engine_config_from_args
 
 DEFAULT_TEXT = "alice_ch1_2.txt"
 

@@ -6,7 +6,7 @@ Builds the engine (model load, KV pool), serves until SIGINT/SIGTERM, then drain
 With ``--port 0`` the OS picks a free port; the bound address is logged and printed, and written to
 ``--port-file`` (atomically) once the server accepts calls.
 
-Tensor parallelism (worker_svc/tp_worker.py):
+Tensor parallelism (worker_svc/server/tp_worker.py):
 
     llmserve worker --tp 2 ...                       # one machine: rank 0 starts ranks 1.. itself
     llmserve worker --tp-size 2 --tp-rank R --dist-init-addr HOST:PORT ...   # one process per rank
@@ -32,13 +32,13 @@ from typing import TYPE_CHECKING
 import structlog
 
 from llmserve.arg_types import count, positive_seconds
+from llmserve.commands.engine_args import add_engine_args, engine_config_from_args
 from llmserve.logging import configure_logging
 from llmserve.security_args import add_server_args
-from worker_svc.cli_args import add_engine_args, engine_config_from_args
 
 if TYPE_CHECKING:
     from llmserve.security import ServerSecurity
-    from worker_svc.server import WorkerOptions
+    from worker_svc.server.app import WorkerOptions
 
 log = structlog.get_logger(__name__)
 
@@ -62,22 +62,22 @@ def _tp_layout(args: argparse.Namespace) -> tuple[int, int, str | None]:
     if size > 1 and args.dist_init_addr is None:
         if args.tp_rank != 0:
             raise ValueError("--tp-rank > 0 needs --dist-init-addr (the leader's rendezvous address)")
-        from worker_svc.tp_group import free_port
+        from worker_svc.parallel.group import free_port
 
         return size, 0, f"127.0.0.1:{free_port()}"
     return size, args.tp_rank, args.dist_init_addr
 
 
 async def _serve(args: argparse.Namespace, security: ServerSecurity) -> int:
-    from worker_svc.engine import Engine
-    from worker_svc.server import WorkerServer
+    from worker_svc.engine.engine import Engine
+    from worker_svc.server.app import WorkerServer
 
     _native_heap_policy(args.malloc_mmap_threshold)
     config = engine_config_from_args(args)
     size, rank, init_addr = _tp_layout(args)
     tp_secret = _tp_secret(args, os.environ) if size > 1 else None
     if rank > 0:
-        from worker_svc.tp_worker import serve_follower
+        from worker_svc.server.tp_worker import serve_follower
 
         def listening(port: int) -> None:
             if args.port_file:
@@ -93,9 +93,9 @@ async def _serve(args: argparse.Namespace, security: ServerSecurity) -> int:
     engine_loop = None
     if size > 1:
         from llmserve import parent_death
-        from worker_svc.cli_args import engine_argv
-        from worker_svc.tp_heartbeat import new_secret
-        from worker_svc.tp_worker import TPLeader, spawn_follower_processes
+        from llmserve.commands.engine_args import engine_argv
+        from worker_svc.parallel.heartbeat import new_secret
+        from worker_svc.server.tp_worker import TPLeader, spawn_follower_processes
 
         children = []
         if args.dist_init_addr is None:  # single-machine mode: this process starts the other ranks
@@ -164,8 +164,8 @@ def _tp_secret(args: argparse.Namespace, environ) -> bytes | None:
     """The group's heartbeat secret: --tp-secret-file, else the pipe a single-machine leader gave this
     follower (its fd in the environment; the entry is removed once read), else None (tp_worker.py:
     the leader makes one)."""
-    from worker_svc.tp_heartbeat import check_secret
-    from worker_svc.tp_worker import SECRET_FD_ENV
+    from worker_svc.parallel.heartbeat import check_secret
+    from worker_svc.server.tp_worker import SECRET_FD_ENV
 
     inherited = environ.pop(SECRET_FD_ENV, None)
     if inherited is not None:
@@ -194,8 +194,8 @@ def _delay_seconds(text: str) -> float:
 
 def _native_heap_policy(mmap_threshold: int) -> None:
     """Before the model loads: fix glibc's mmap threshold so per-step temporaries of changing sizes
-    are given back instead of fragmenting the heap (worker_svc/native_memory.py, review F12)."""
-    from worker_svc.native_memory import fix_mmap_threshold
+    are given back instead of fragmenting the heap (worker_svc/server/native_memory.py, review F12)."""
+    from worker_svc.server.native_memory import fix_mmap_threshold
 
     if not mmap_threshold:
         return
@@ -206,7 +206,7 @@ def _native_heap_policy(mmap_threshold: int) -> None:
 
 
 def worker_options(args: argparse.Namespace) -> WorkerOptions:
-    from worker_svc.server import WorkerOptions
+    from worker_svc.server.app import WorkerOptions
 
     return WorkerOptions(
         served_model_name=args.served_model_name or Path(args.model).resolve().name,
@@ -267,7 +267,7 @@ def add_worker_limit_args(g: argparse._ArgumentGroup) -> None:
         help="fix glibc's mmap threshold at BYTES (at most 32 MiB, e.g. 4194304): per-step temporaries "
         "above it go back to the kernel when freed, so RSS stays flat under traffic of changing "
         "shapes, at the cost of system CPU time (mmap, page faults). Default 0: glibc's self-raising "
-        "threshold, faster, RSS rises to a plateau (worker_svc/native_memory.py)",
+        "threshold, faster, RSS rises to a plateau (worker_svc/server/native_memory.py)",
     )
     g.add_argument(
         "--max-queued-requests",

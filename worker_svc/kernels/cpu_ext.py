@@ -1,6 +1,6 @@
-"""Build and load this project's AVX2 CPU kernels (``worker_svc/layers/csrc/*.cpp``) on first use:
+"""Build and load this project's AVX2 CPU kernels (``worker_svc/kernels/csrc/*.cpp``) on first use:
 
-- quant_linear_avx2.cpp: int8 / int4 weight-only and int8 dynamic linears (worker_svc/quant.py);
+- quant_linear_avx2.cpp: int8 / int4 weight-only and int8 dynamic linears (worker_svc/executor/quantize.py);
 - decode_attention_avx2.cpp: one-token attention over the paged KV pool (attention/torch_native.py);
 - rms_norm_avx2.cpp: RMSNorm and residual-add + RMSNorm for bf16/fp16 (layers/norm.py).
 
@@ -13,7 +13,7 @@ ranks of a worker group starting together compile once.
 ``load()`` returns None, with the reason logged, when the host cannot use the kernels (not x86-64
 with AVX2, no C++ compiler, build error); callers then keep the torch/aten paths.
 
-    python -m worker_svc.layers.cpu_ext    # build now (exit status 1 if it cannot be built)
+    python -m worker_svc.kernels.cpu_ext    # build now (exit status 1 if it cannot be built)
 """
 
 from __future__ import annotations

@@ -11,10 +11,10 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from worker_svc.cli_args import add_engine_args, engine_config_from_args
+from llmserve.commands.engine_args import add_engine_args, engine_config_from_args
 
 if TYPE_CHECKING:  # torch is imported when the command runs, not when the CLI parses arguments
-    from worker_svc.runner import ModelRunner
+    from worker_svc.executor.model_runner import ModelRunner
 
 # The three prompts of sglang's bench_one_batch --correct.
 DEFAULT_PROMPTS = (

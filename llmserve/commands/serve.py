@@ -34,11 +34,11 @@ import time
 from pathlib import Path
 
 from llmserve.arg_types import count, positive_seconds, seconds
-from llmserve.router_command import DEFAULT_ROUTER_PORT, POLICIES, add_limit_args, limit_argv
+from llmserve.commands.engine_args import add_engine_args, engine_argv
+from llmserve.commands.router import DEFAULT_ROUTER_PORT, POLICIES, add_limit_args, limit_argv
+from llmserve.commands.worker import add_worker_limit_args, worker_limit_argv
 from llmserve.security_args import ServeSecurity, add_serve_args
 from llmserve.supervisor import Child, ChildFailed, RestartPolicy, Supervisor
-from llmserve.worker_command import add_worker_limit_args, worker_limit_argv
-from worker_svc.cli_args import add_engine_args, engine_argv
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

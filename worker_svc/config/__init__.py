@@ -1,0 +1,1 @@
+"""Configuration: the model's (from its config.json) and the engine's, frozen and validated."""

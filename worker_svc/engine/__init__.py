@@ -1,0 +1,1 @@
+"""Requests, the scheduler and the engine loop that drives steps."""

@@ -1,0 +1,139 @@
+"""The tensor-parallel step runners: the leader's ``LeaderRunner`` broadcasts each step before running
+it; a follower's ``FollowerLoop`` receives and runs steps until the leader sends STOP. Also the
+``torch.multiprocessing`` follower spawner that bench-one-batch and the unit tests use (the serving
+worker starts its followers as processes: worker_svc/server/tp_worker.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import torch
+
+from worker_svc.executor.model_runner import ModelRunner
+from worker_svc.forward_batch import FatalStepError, StepInput
+from worker_svc.parallel.context import TPContext
+from worker_svc.parallel.group import DEFAULT_TIMEOUT_S, destroy_tp, init_tp, rank_device
+from worker_svc.parallel.step_broadcast import broadcast_keepalive, broadcast_step, receive_step
+
+
+class FollowerLoop:
+    """A follower rank: receive a step, run it, repeat until the leader sends STOP."""
+
+    def __init__(self, runner: Any, tp: TPContext) -> None:
+        if tp.is_leader:
+            raise ValueError("rank 0 is the leader, not a follower")
+        self.runner = runner
+        self.tp = tp
+        self.steps = 0
+
+    def run(self) -> int:
+        """Returns the number of steps run."""
+        while (step := receive_step(self.tp, self.runner.device)) is not None:
+            self.runner.forward(step)
+            self.steps += 1
+        return self.steps
+
+
+class TPGroupFailed(FatalStepError):
+    """A tensor-parallel peer died or hung (or a step failed on one rank): the group cannot run steps."""
+
+
+class LeaderRunner:
+    """Wraps the leader's ``ModelRunner``: ``forward`` broadcasts the step, then runs it locally.
+
+    Every other attribute (allocator, request table, config, ...) is the wrapped runner's, so the
+    scheduler and ``StaticBatch`` use it unchanged.
+    """
+
+    def __init__(self, runner: Any, tp: TPContext) -> None:
+        if not tp.is_leader:
+            raise ValueError("only rank 0 leads")
+        self.runner = runner
+        self.tp = tp
+        self.stopped = False
+        self.broken: BaseException | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.runner, name)
+
+    def _guarded(self, fn, *args: Any) -> Any:
+        """Any failure here leaves the ranks out of step (a peer is gone, or waits in a collective this
+        rank will never join), so it breaks the group for good: TPGroupFailed, now and on every call."""
+        if self.stopped:
+            raise RuntimeError("the followers were already stopped")
+        if self.broken is not None:
+            raise TPGroupFailed(f"tensor-parallel group is broken: {self.broken!r}")
+        try:
+            return fn(*args)
+        except Exception as exc:
+            self.broken = exc
+            raise TPGroupFailed(f"tensor-parallel step failed: {exc}") from exc
+
+    def forward(self, step: StepInput) -> torch.Tensor:
+        def run() -> torch.Tensor:
+            broadcast_step(self.tp, step)
+            return self.runner.forward(step)
+
+        return self._guarded(run)
+
+    def keepalive(self) -> None:
+        """An idle tick: a header the followers skip, so no collective waits past the group timeout."""
+        self._guarded(broadcast_keepalive, self.tp)
+
+    def stop_followers(self) -> None:
+        """Send STOP once; the followers' loops return."""
+        if not self.stopped:
+            self.stopped = True
+            broadcast_step(self.tp, None)
+
+
+def run_follower(
+    rank: int,
+    size: int,
+    init_addr: str,
+    engines: list[Any],
+    threads: int | None = None,
+    timeout_s: float | None = None,
+) -> list[int]:
+    """Entry point of a follower process: join the group, then for each ``EngineConfig`` in turn build
+    this rank's runner and replay the leader's steps until STOP. Returns the steps run per engine."""
+    if threads:
+        torch.set_num_threads(threads)
+    tp = init_tp(rank, size, init_addr, engines[0].device, timeout_s or DEFAULT_TIMEOUT_S)
+    steps = []
+    try:
+        for engine in engines:
+            device = str(rank_device(engine.device, rank))
+            if device != engine.device:
+                engine = dataclasses.replace(engine, device=device)
+            steps.append(FollowerLoop(ModelRunner(engine, tp), tp).run())
+    finally:
+        destroy_tp(tp)
+    return steps
+
+
+def _spawned_follower(index: int, *args: Any) -> None:
+    run_follower(index + 1, *args)
+
+
+def spawn_followers(
+    size: int, init_addr: str, engines: list[Any], threads: int | None = None, timeout_s: float | None = None
+) -> Any:
+    """Start ranks 1..size-1 as spawned processes (the caller is rank 0); returns the process context
+    (``join()`` it after stopping the followers)."""
+    import torch.multiprocessing as mp
+
+    return mp.spawn(_spawned_follower, args=(size, init_addr, engines, threads, timeout_s), nprocs=size - 1, join=False)
+
+
+def join_followers(context: Any, timeout_s: float = 60.0) -> None:
+    """Wait for spawned followers to exit (re-raising a follower's error); kill them past ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not context.join(timeout=max(0.1, deadline - time.monotonic())):
+        if time.monotonic() >= deadline:
+            for process in context.processes:
+                if process.is_alive():
+                    process.kill()
+            raise TimeoutError(f"tp followers still running after {timeout_s:.0f} s; killed")

@@ -1,0 +1,1 @@
+"""Tensor-parallel communication primitives: the TP context, process groups, heartbeat, step broadcast."""

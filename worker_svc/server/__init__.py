@@ -1,0 +1,1 @@
+"""The worker's process edge: the SglangScheduler servicer, proto conversion, TP leader/follower roles."""
