@@ -100,6 +100,15 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_key_value_heads * self.head_dim
 
+    def heads_per_rank(self, tp_size: int) -> int:
+        """Attention heads each tensor-parallel rank holds (the model checks that they divide)."""
+        return self.num_attention_heads // tp_size
+
+    def kv_heads_per_rank(self, tp_size: int) -> int:
+        """KV heads each rank holds: its share, or one replicated head when there are fewer KV heads
+        than ranks (as ``QKVParallelLinear`` shards them)."""
+        return max(1, self.num_key_value_heads // tp_size)
+
 
 def _rope_from_hf(cfg: dict[str, Any]) -> RopeConfig:
     # transformers 5 nests rope settings under "rope_parameters"; 4.x uses rope_theta + rope_scaling.
