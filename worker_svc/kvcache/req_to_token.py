@@ -24,7 +24,14 @@ class ReqToTokenTable:
         self._free_rows.append(row)
 
     def write(self, row: int, start: int, slots: torch.Tensor) -> None:
+        """Row ``row`` gets ``slots`` at positions ``start ..``: an extend's new tokens."""
         self.table[row, start : start + slots.numel()] = slots
+
+    def write_last(self, rows: torch.Tensor, seq_lens: list[int], slots: torch.Tensor) -> None:
+        """Each of ``rows`` gets its slot at position ``seq_len - 1``: a decode step's one new token per
+        request, in one indexed write."""
+        lens = torch.tensor(seq_lens, device=self.table.device)
+        self.table[rows, lens - 1] = slots
 
     def slots(self, row: int, length: int) -> torch.Tensor:
         return self.table[row, :length]
