@@ -9,8 +9,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-if TYPE_CHECKING:
-    from worker_svc.attention.base import AttentionBackend
+if TYPE_CHECKING:  # annotations only: attention sits above this module, kvcache beside it
+    from worker_svc.attention.base import StepAttentionBackend
+    from worker_svc.kvcache.pool import KVPool
 
 
 class ForwardMode(enum.Enum):
@@ -45,11 +46,11 @@ class ForwardBatch:
     seq_lens: list[int]  # per request: tokens in the KV cache after this step
     prefix_lens: list[int]  # per request: tokens already cached before this step
     req_to_token: torch.Tensor  # [max_requests, max_context + 1] table shared with the scheduler
-    kv_pool: Any  # MHAKVPool (or the MLA latent pool)
-    attn_backend: AttentionBackend
-    attn_metadata: Any = field(default=None)  # filled by attn_backend.prepare()
+    kv_pool: KVPool  # the per-head K/V pool, or MLA's latent pool: the backend of that kind reads it
+    attn_backend: StepAttentionBackend
+    # Filled by attn_backend.prepare(); only that backend reads it (attention/metadata.py for the torch-native ones).
+    attn_metadata: Any = field(default=None)
     all_logits: bool = False  # EXTEND: logits at every new token (teacher-forced scoring), not only the last
-
 
     @property
     def batch_size(self) -> int:

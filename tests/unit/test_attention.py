@@ -8,11 +8,12 @@ import math
 import pytest
 import torch
 
-from worker_svc.attention.base import AttentionLayer
+from worker_svc.attention.base import AttentionLayer, MLAAttentionLayer
 from worker_svc.attention.torch_native import TorchNativeAttentionBackend
+from worker_svc.attention.torch_native_mla import TorchNativeMLABackend
 from worker_svc.forward_batch import ForwardBatch, ForwardMode
 from worker_svc.kernels import cpu_ext
-from worker_svc.kvcache import MHAKVPool
+from worker_svc.kvcache import MHAKVPool, MLAKVPool
 
 CPU_OPS = cpu_ext.load()
 needs_cpu_ops = pytest.mark.skipif(CPU_OPS is None, reason="AVX2 kernels unavailable on this host")
@@ -115,3 +116,20 @@ def test_avx2_decode_needs_the_kernels():
 def test_unknown_decode_impl_is_rejected():
     with pytest.raises(ValueError, match="decode_impl"):
         TorchNativeAttentionBackend(decode_impl="flash")
+
+
+def test_a_layer_refuses_the_other_kind_of_backend():
+    """MLA has its own backend interface: an MHA layer given the MLA backend (or the MHA backend given
+    the latent pool) fails naming what it needs, instead of running the wrong attention."""
+    mla = TorchNativeMLABackend()
+    batch, layer, q, k, v, _ = _decode_batch(mla, torch.float32, [3, 5])
+    with pytest.raises(TypeError, match="MHA attention backend"):
+        layer(q, k, v, batch)
+    mha = TorchNativeAttentionBackend()
+    batch.attn_backend = mha
+    batch.kv_pool = MLAKVPool(8, 1, 4, 2, torch.float32, torch.device("cpu"))
+    with pytest.raises(TypeError, match="MHAKVPool"):
+        layer(q, k, v, batch)
+    latent_layer = MLAAttentionLayer(0, 2, 4, 3, 2, 3, scaling=1.0, kv_b_proj=torch.nn.Linear(4, 2 * (3 + 3)))
+    with pytest.raises(TypeError, match="MLA attention backend"):
+        latent_layer(q[:, :2, :3], q[:, :2, :2], torch.zeros(2, 6), batch)

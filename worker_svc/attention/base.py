@@ -1,12 +1,15 @@
-"""Attention backend interface and the per-layer module that models call.
+"""Attention backend interfaces and the per-layer modules that models call.
 
 Models never touch the KV pool: an ``AttentionLayer`` hands q/k/v for its layer to the step's backend,
-which stores the new K/V and attends over the cached context. MLA backends add their own entry points.
+which stores the new K/V and attends over the cached context. MLA has its own backend interface
+(``MLAAttentionBackend.forward_mla``: queries and one latent per token, not per-head K/V). A step's
+backend is one or the other; ``kind`` tells them apart, so each layer checks that it got its own kind
+with one string compare, not a protocol check, in every layer.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Literal, Protocol
 
 import torch
 from torch import nn
@@ -15,6 +18,11 @@ from worker_svc.forward_batch import ForwardBatch
 
 
 class AttentionBackend(Protocol):
+    """Multi-head / grouped-query attention over per-head K and V."""
+
+    @property
+    def kind(self) -> Literal["mha"]: ...
+
     def prepare(self, batch: ForwardBatch) -> None:
         """Build per-step metadata (gather indices, masks) once, shared by every layer."""
 
@@ -22,6 +30,26 @@ class AttentionBackend(Protocol):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch
     ) -> torch.Tensor:
         """q: [tokens, q_heads, head_dim]; k, v: [tokens, kv_heads, head_dim] -> [tokens, q_heads * head_dim]."""
+
+
+class MLAAttentionBackend(Protocol):
+    """Multi-head latent attention over one cached latent per token (``MLAAttentionLayer``)."""
+
+    @property
+    def kind(self) -> Literal["mla"]: ...
+
+    def prepare(self, batch: ForwardBatch) -> None:
+        """Build per-step metadata (gather indices, masks) once, shared by every layer."""
+
+    def forward_mla(
+        self, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, layer: MLAAttentionLayer,
+        batch: ForwardBatch,
+    ) -> torch.Tensor:
+        """q_nope [tokens, heads, qk_nope], q_pe [tokens, heads, rope], latent [tokens, kv_lora + rope]
+        -> [tokens, heads * v_head_dim]."""
+
+
+StepAttentionBackend = AttentionBackend | MLAAttentionBackend
 
 
 class AttentionLayer(nn.Module):
@@ -34,7 +62,10 @@ class AttentionLayer(nn.Module):
         self.scaling = scaling
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        return batch.attn_backend.forward(q, k, v, self, batch)
+        backend = batch.attn_backend
+        if backend.kind != "mha":
+            raise TypeError(f"AttentionLayer needs an MHA attention backend, got {type(backend).__name__}")
+        return backend.forward(q, k, v, self, batch)
 
 
 class MLAAttentionLayer(nn.Module):
@@ -47,9 +78,11 @@ class MLAAttentionLayer(nn.Module):
     ``kv_b_proj`` is referenced, not registered, so its parameter keeps its checkpoint name.
     """
 
+    kv_b_proj: nn.Linear  # set with object.__setattr__ (not a submodule), declared here for its type
+
     def __init__(
         self, layer_id: int, num_heads: int, kv_lora_rank: int, qk_nope_head_dim: int, qk_rope_head_dim: int,
-        v_head_dim: int, scaling: float, kv_b_proj: nn.Module,
+        v_head_dim: int, scaling: float, kv_b_proj: nn.Linear,
     ) -> None:
         super().__init__()
         self.layer_id = layer_id
@@ -76,4 +109,7 @@ class MLAAttentionLayer(nn.Module):
     ) -> torch.Tensor:
         """q_nope [tokens, heads, qk_nope], q_pe [tokens, heads, rope], latent [tokens, kv_lora + rope]
         -> [tokens, heads * v_head_dim]."""
-        return batch.attn_backend.forward_mla(q_nope, q_pe, latent, self, batch)
+        backend = batch.attn_backend
+        if backend.kind != "mla":
+            raise TypeError(f"MLAAttentionLayer needs an MLA attention backend, got {type(backend).__name__}")
+        return backend.forward_mla(q_nope, q_pe, latent, self, batch)

@@ -12,33 +12,31 @@ equal. Extend runs one SDPA per request with a causal mask offset by the cached 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
 from worker_svc.attention.base import AttentionLayer
+from worker_svc.attention.metadata import DecodeMetadata, ExtendMetadata, prepare_metadata
 from worker_svc.forward_batch import ForwardBatch, ForwardMode
-
-
-@dataclass
-class DecodeMetadata:
-    slot_index: torch.Tensor  # [batch, max_len] KV slots, padded with slot 0
-    mask: torch.Tensor | None  # [batch, 1, 1, max_len] bool, None when every request has max_len tokens
-    seq_lens: torch.Tensor  # [batch] int64
-
-
-@dataclass
-class ExtendMetadata:
-    token_offsets: list[int]  # start of each request in the packed new tokens
-    context_slots: list[torch.Tensor | None]  # per request: all cached slots, None when there is no prefix
-    masks: list[torch.Tensor | None]  # per request [extend, seq] bool, None for a plain causal prefill
-
+from worker_svc.kvcache import MHAKVPool
 
 DECODE_IMPLS = ("grouped_matmul", "sdpa", "avx2")
 
 
+def _mha_pool(batch: ForwardBatch) -> MHAKVPool:
+    """The step's pool as the per-head K/V pool this backend reads (one isinstance, not a protocol check:
+    this runs in every layer)."""
+    pool = batch.kv_pool
+    if not isinstance(pool, MHAKVPool):
+        raise TypeError(f"the MHA attention backend needs an MHAKVPool, got {type(pool).__name__}")
+    return pool
+
+
 class TorchNativeAttentionBackend:
+    kind: Literal["mha"] = "mha"
+
     def __init__(self, decode_impl: str = "grouped_matmul", cpu_ops=None) -> None:
         """``cpu_ops``: ``layers.cpu_ext.load()``'s kernels, required by ``decode_impl="avx2"``."""
         if decode_impl not in DECODE_IMPLS:
@@ -52,52 +50,19 @@ class TorchNativeAttentionBackend:
         ]
 
     def prepare(self, batch: ForwardBatch) -> None:
-        if batch.mode is ForwardMode.DECODE:
-            batch.attn_metadata = self._prepare_decode(batch)
-        else:
-            batch.attn_metadata = self._prepare_extend(batch)
-
-    @staticmethod
-    def _prepare_decode(batch: ForwardBatch) -> DecodeMetadata:
-        max_len = max(batch.seq_lens)
-        slot_index = batch.req_to_token[batch.req_rows, :max_len]
-        lens = torch.tensor(batch.seq_lens, dtype=torch.int64, device=slot_index.device)
-        mask = None
-        if min(batch.seq_lens) != max_len:
-            valid = torch.arange(max_len, device=slot_index.device)[None, :] < lens[:, None]
-            mask = valid[:, None, None, :]
-        return DecodeMetadata(slot_index=slot_index, mask=mask, seq_lens=lens)
-
-    @staticmethod
-    def _prepare_extend(batch: ForwardBatch) -> ExtendMetadata:
-        offsets, slots, masks = [], [], []
-        offset = 0
-        device = batch.input_ids.device
-        for row, prefix, seq in zip(batch.req_rows.tolist(), batch.prefix_lens, batch.seq_lens, strict=True):
-            offsets.append(offset)
-            offset += seq - prefix
-            if prefix == 0:
-                slots.append(None)
-                masks.append(None)
-                continue
-            slots.append(batch.req_to_token[row, :seq])
-            # Query i (absolute position prefix + i) sees keys 0 .. prefix + i.
-            q_pos = torch.arange(prefix, seq, device=device)[:, None]
-            k_pos = torch.arange(seq, device=device)[None, :]
-            masks.append(k_pos <= q_pos)
-        return ExtendMetadata(token_offsets=offsets, context_slots=slots, masks=masks)
+        batch.attn_metadata = prepare_metadata(batch)
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch
     ) -> torch.Tensor:
-        batch.kv_pool.store(layer.layer_id, batch.out_slots, k, v)
+        _mha_pool(batch).store(layer.layer_id, batch.out_slots, k, v)
         out = self._decode(q, layer, batch) if batch.mode is ForwardMode.DECODE else self._extend(q, k, v, layer, batch)
         return out.reshape(q.shape[0], layer.num_heads * layer.head_dim)
 
     @staticmethod
     def _decode_grouped(q: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch) -> torch.Tensor:
         meta: DecodeMetadata = batch.attn_metadata
-        k_buf, v_buf = batch.kv_pool.buffers(layer.layer_id)
+        k_buf, v_buf = _mha_pool(batch).buffers(layer.layer_id)
         bsz, groups = q.shape[0], layer.num_heads // layer.num_kv_heads
         keys = k_buf[meta.slot_index].float()  # [batch, max_len, kv_heads, head_dim]
         values = v_buf[meta.slot_index].float()
@@ -111,7 +76,7 @@ class TorchNativeAttentionBackend:
 
     def _decode_avx2(self, q: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch) -> torch.Tensor:
         meta: DecodeMetadata = batch.attn_metadata
-        k_buf, v_buf = batch.kv_pool.buffers(layer.layer_id)
+        k_buf, v_buf = _mha_pool(batch).buffers(layer.layer_id)
         return self.cpu_ops.decode_attention(
             q.contiguous(), k_buf, v_buf, meta.slot_index, meta.seq_lens, layer.scaling
         )
@@ -119,7 +84,7 @@ class TorchNativeAttentionBackend:
     @staticmethod
     def _decode_sdpa(q: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch) -> torch.Tensor:
         meta: DecodeMetadata = batch.attn_metadata
-        k_buf, v_buf = batch.kv_pool.buffers(layer.layer_id)
+        k_buf, v_buf = _mha_pool(batch).buffers(layer.layer_id)
         keys = k_buf[meta.slot_index].transpose(1, 2)  # [batch, kv_heads, max_len, head_dim]
         values = v_buf[meta.slot_index].transpose(1, 2)
         query = q.unsqueeze(2)  # [batch, q_heads, 1, head_dim]
@@ -134,7 +99,7 @@ class TorchNativeAttentionBackend:
     ) -> torch.Tensor:
         meta: ExtendMetadata = batch.attn_metadata
         out = torch.empty_like(q)
-        k_buf, v_buf = batch.kv_pool.buffers(layer.layer_id)
+        k_buf, v_buf = _mha_pool(batch).buffers(layer.layer_id)
         for i, start in enumerate(meta.token_offsets):
             end = start + batch.seq_lens[i] - batch.prefix_lens[i]
             query = q[start:end].transpose(0, 1)  # [q_heads, extend, head_dim]

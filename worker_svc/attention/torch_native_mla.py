@@ -7,36 +7,47 @@ the query and W_UV into the output, so the step attends over the cached latents 
 with one shared head of width kv_lora_rank + rope (no per-token decompression, which is what makes MLA
 decode cheap). ``mla_decode="normal"`` decompresses at decode too; the tests hold the two equal. Decode
 math runs in fp32 like the MHA backend's grouped matmuls. Per-step metadata (padded slot index and
-length mask, extend masks) is the MHA backend's.
+length mask, extend masks) is the MHA backend's (attention/metadata.py).
 """
 
 from __future__ import annotations
+
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
 from worker_svc.attention.base import MLAAttentionLayer
-from worker_svc.attention.torch_native import DecodeMetadata, ExtendMetadata, TorchNativeAttentionBackend
+from worker_svc.attention.metadata import DecodeMetadata, ExtendMetadata, prepare_metadata
+from worker_svc.config.engine_config import MLA_DECODE_MODES
 from worker_svc.forward_batch import ForwardBatch, ForwardMode
+from worker_svc.kvcache import MLAKVPool
 
-MLA_DECODE_MODES = ("absorbed", "normal")
+
+def _latent_pool(batch: ForwardBatch) -> MLAKVPool:
+    """The step's pool as the latent pool this backend reads (one isinstance: this runs in every layer)."""
+    pool = batch.kv_pool
+    if not isinstance(pool, MLAKVPool):
+        raise TypeError(f"the MLA attention backend needs an MLAKVPool, got {type(pool).__name__}")
+    return pool
 
 
-class TorchNativeMLABackend(TorchNativeAttentionBackend):
+class TorchNativeMLABackend:
+    kind: Literal["mla"] = "mla"
+
     def __init__(self, mla_decode: str = "absorbed") -> None:
-        super().__init__()
         if mla_decode not in MLA_DECODE_MODES:
             raise ValueError(f"mla_decode must be one of {', '.join(MLA_DECODE_MODES)}, got {mla_decode!r}")
         self.mla_decode = mla_decode
 
-    def forward(self, *args, **kwargs):  # type: ignore[override]
-        raise TypeError("the MLA backend serves MLAAttentionLayer.forward_mla only")
+    def prepare(self, batch: ForwardBatch) -> None:
+        batch.attn_metadata = prepare_metadata(batch)
 
     def forward_mla(
         self, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, layer: MLAAttentionLayer,
         batch: ForwardBatch,
     ) -> torch.Tensor:
-        batch.kv_pool.store(layer.layer_id, batch.out_slots, latent)
+        _latent_pool(batch).store(layer.layer_id, batch.out_slots, latent)
         if batch.mode is ForwardMode.DECODE:
             decode = self._decode_absorbed if self.mla_decode == "absorbed" else self._decode_normal
             out = decode(q_nope, q_pe, layer, batch)
@@ -56,7 +67,7 @@ class TorchNativeMLABackend(TorchNativeAttentionBackend):
         batch: ForwardBatch,
     ) -> torch.Tensor:
         meta: ExtendMetadata = batch.attn_metadata
-        buf = batch.kv_pool.buffer(layer.layer_id)
+        buf = _latent_pool(batch).buffer(layer.layer_id)
         query = torch.cat((q_nope, q_pe), dim=-1)  # [tokens, heads, qk_head]
         out = q_nope.new_empty(q_nope.shape[0], layer.num_heads, layer.v_head_dim)
         for i, start in enumerate(meta.token_offsets):
@@ -80,7 +91,7 @@ class TorchNativeMLABackend(TorchNativeAttentionBackend):
         self, q_nope: torch.Tensor, q_pe: torch.Tensor, layer: MLAAttentionLayer, batch: ForwardBatch
     ) -> torch.Tensor:
         meta: DecodeMetadata = batch.attn_metadata
-        ctx = batch.kv_pool.buffer(layer.layer_id)[meta.slot_index].float()  # [batch, len, kv_lora + rope]
+        ctx = _latent_pool(batch).buffer(layer.layer_id)[meta.slot_index].float()  # [batch, len, kv_lora + rope]
         w_uk, w_uv = layer.absorbed_weights()
         # q_nope . (W_UK c) == (W_UK^T q_nope) . c: one query of width kv_lora + rope per head.
         q_latent = torch.bmm(q_nope.float().transpose(0, 1), w_uk.float()).transpose(0, 1)  # [batch, heads, kv_lora]
@@ -96,7 +107,8 @@ class TorchNativeMLABackend(TorchNativeAttentionBackend):
     ) -> torch.Tensor:
         meta: DecodeMetadata = batch.attn_metadata
         bsz, max_len = meta.slot_index.shape
-        ctx = batch.kv_pool.buffer(layer.layer_id)[meta.slot_index.flatten()]  # [batch * len, kv_lora + rope]
+        buf = _latent_pool(batch).buffer(layer.layer_id)
+        ctx = buf[meta.slot_index.flatten()]  # [batch * len, kv_lora + rope]
         keys, values = self._keys_values(ctx, layer)
         keys = keys.view(bsz, max_len, layer.num_heads, -1).float()
         values = values.view(bsz, max_len, layer.num_heads, -1).float()
