@@ -50,6 +50,8 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Projects hidden states onto this rank's vocab slice; ``logits`` gathers the full row."""
 
     kernel = staticmethod(F.linear)  # swappable like KernelLinear's
+    quantized: bool = False  # as KernelLinear's
+    needs_weight: bool = False
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         local = self.kernel(hidden, self.weight, None)  # [tokens, vocab_per_rank]

@@ -52,6 +52,9 @@ class KernelLinear(nn.Linear):
     dtype, or by quantization); the default is aten's ``F.linear``."""
 
     kernel: LinearKernel = staticmethod(F.linear)
+    quantized: bool = False  # the kernel holds a quantized copy of the weight (set by executor/quantize.py)
+    # Other code reads the weight itself (MLA's kv_b_proj for absorbed decode): never quantize or release it.
+    needs_weight: bool = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         return self.kernel(x, self.weight, self.bias)
@@ -65,8 +68,9 @@ def embedding_parameter_ids(model: nn.Module) -> set[int]:
 def release_weight(module: nn.Module, keep: set[int]) -> None:
     """Once a kernel holds its own packed or quantized copy, drop the parameter's storage and keep
     only its shape, unless the weight is in ``keep`` (shared with the embedding) or the module says
-    other code reads it (``needs_weight``, e.g. MLA's kv_b_proj for absorbed decode)."""
-    if id(module.weight) in keep or getattr(module, "needs_weight", False):
+    other code reads it (``needs_weight``, e.g. MLA's kv_b_proj for absorbed decode). ``module``: a
+    ``KernelLinear`` or the LM head (both declare ``needs_weight``)."""
+    if id(module.weight) in keep or module.needs_weight:
         return
     module.weight = nn.Parameter(torch.empty_like(module.weight, device="meta"), requires_grad=False)
 
