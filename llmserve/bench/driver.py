@@ -1,21 +1,23 @@
-"""Drive a ModelRunner directly (no scheduler), as sglang's bench_one_batch does: prefill a static
-batch, extend it, decode it greedily. Used by ``llmserve bench-one-batch`` and the oracle tests."""
+"""Drive a runner directly (no scheduler), as sglang's bench_one_batch does: prefill a static batch,
+extend it, decode it greedily, doing the KV slot bookkeeping on the runner's ``KVCache`` itself. Used
+by ``llmserve bench-one-batch`` and the oracle tests."""
 
 from __future__ import annotations
 
 import torch
 
-from worker_svc.executor.model_runner import ModelRunner
+from worker_svc.executor.step_runner import StepRunner
 from worker_svc.forward_batch import ForwardMode, StepInput
 
 
 class StaticBatch:
-    def __init__(self, runner: ModelRunner, batch_size: int) -> None:
+    def __init__(self, runner: StepRunner, batch_size: int) -> None:
         self.runner = runner
-        runner.allocator.clear()
-        self.rows = []
+        self.kv = runner.kv
+        self.kv.allocator.clear()
+        self.rows: list[int] = []
         for _ in range(batch_size):
-            row = runner.req_table.alloc()
+            row = self.kv.req_table.alloc()
             if row is None:
                 raise ValueError(f"batch size {batch_size} exceeds --max-running-requests")
             self.rows.append(row)
@@ -23,8 +25,8 @@ class StaticBatch:
 
     def release(self) -> None:
         for row in self.rows:
-            self.runner.req_table.free(row)
-        self.runner.allocator.clear()
+            self.kv.req_table.free(row)
+        self.kv.allocator.clear()
 
     def extend(self, pieces: list[list[int]], only: list[int] | None = None, all_logits: bool = False) -> torch.Tensor:
         """Append ``pieces[j]`` to request ``only[j]`` (default: every request, in order; prefill
@@ -53,7 +55,7 @@ class StaticBatch:
         which: list[int],
         all_logits: bool = False,
     ) -> torch.Tensor:
-        slots = self.runner.allocator.alloc(len(positions))
+        slots = self.kv.allocator.alloc(len(positions))
         if slots is None:
             raise RuntimeError("KV pool exhausted: raise --max-total-tokens")
         prefix = [self.seq_lens[i] for i in which]
@@ -72,7 +74,7 @@ class StaticBatch:
         return self.runner.forward(step)
 
 
-def chunked_prefill_logits(runner: ModelRunner, prompts: list[list[int]], chunk: int) -> torch.Tensor:
+def chunked_prefill_logits(runner: StepRunner, prompts: list[list[int]], chunk: int) -> torch.Tensor:
     """Prefill every prompt ``chunk`` tokens per step (prompts already done sit later steps out);
     returns each prompt's final-token logits [B, V]."""
     batch = StaticBatch(runner, len(prompts))
@@ -90,7 +92,7 @@ def chunked_prefill_logits(runner: ModelRunner, prompts: list[list[int]], chunk:
 
 
 def greedy_with_split_prefill(
-    runner: ModelRunner, prompts: list[list[int]], output_len: int, cut_len: int
+    runner: StepRunner, prompts: list[list[int]], output_len: int, cut_len: int
 ) -> tuple[torch.Tensor, list[list[int]]]:
     """Prefill the first ``cut_len`` tokens of each prompt, extend the rest on top of that cached
     prefix, then decode ``output_len`` tokens greedily. Returns (final prefill logits [B, V], outputs)."""

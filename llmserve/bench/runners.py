@@ -6,14 +6,17 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING
 
 from worker_svc.config.engine_config import EngineConfig
 
+if TYPE_CHECKING:  # torch is imported when a runner is opened, not when the CLI parses arguments
+    from worker_svc.executor.step_runner import StepRunner
+
 
 @contextmanager
-def open_runner(engine: EngineConfig, tp: int = 1, tp_init_addr: str | None = None,
-                threads: int | None = None) -> Iterator[Any]:
+def open_runner(engine_config: EngineConfig, tp: int = 1, tp_init_addr: str | None = None,
+                threads: int | None = None) -> Iterator[StepRunner]:
     """Yields a ModelRunner (tp == 1) or a LeaderRunner over rank 0 of ``tp`` ranks; stops and joins
     the followers and destroys the group on exit."""
     from worker_svc.executor.model_runner import ModelRunner
@@ -21,18 +24,18 @@ def open_runner(engine: EngineConfig, tp: int = 1, tp_init_addr: str | None = No
     if tp < 1:
         raise ValueError(f"--tp must be at least 1, got {tp}")
     if tp == 1:
-        yield ModelRunner(engine)
+        yield ModelRunner(engine_config)
         return
     from worker_svc.executor.tp_runners import LeaderRunner, join_followers, spawn_followers
     from worker_svc.parallel.group import destroy_tp, free_port, init_tp, rank_device
 
     addr = tp_init_addr or f"127.0.0.1:{free_port()}"
-    followers = spawn_followers(tp, addr, [engine], threads=threads)
-    group = init_tp(0, tp, addr, engine.device)
+    followers = spawn_followers(tp, addr, [engine_config], threads=threads)
+    group = init_tp(0, tp, addr, engine_config.device)
     leader_failed = False
     try:
-        engine = dataclasses.replace(engine, device=str(rank_device(engine.device, 0)))
-        runner = LeaderRunner(ModelRunner(engine, group), group)
+        engine_config = dataclasses.replace(engine_config, device=str(rank_device(engine_config.device, 0)))
+        runner = LeaderRunner(ModelRunner(engine_config, group), group)
         try:
             yield runner
         finally:

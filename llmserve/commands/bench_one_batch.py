@@ -178,7 +178,7 @@ def _timed_run(runner: ModelRunner, batch_size: int, input_len: int, output_len:
     from llmserve.bench.driver import StaticBatch
 
     generator = torch.Generator().manual_seed(0)
-    vocab = runner.config.vocab_size
+    vocab = runner.model_config.vocab_size
     prompts = torch.randint(0, vocab, (batch_size, input_len), generator=generator).tolist()
     profiler = getattr(runner, "collective_profiler", None)
     comm: dict = {}
@@ -241,7 +241,7 @@ def latency(runner: ModelRunner, args: argparse.Namespace) -> int:
     for bs in args.batch_size:
         for il in args.input_len:
             for ol in args.output_len:
-                if bs * (il + ol) > runner.max_total_tokens:
+                if bs * (il + ol) > runner.kv.allocator.size:
                     print(f"skip bs={bs} input={il} output={ol}: exceeds the KV pool", file=sys.stderr)
                     continue
                 for _ in range(args.repeats):

@@ -104,7 +104,7 @@ def test_continuous_batching_matches_hf(case):
     assert [r.output_ids for r in reqs] == ref_tokens
     for logits, ref in zip(prefill, ref_logits, strict=False):
         assert (logits - ref).abs().max().item() < ATOL
-    assert engine.runner.allocator.available() == engine.runner.max_total_tokens
+    assert engine.runner.kv.allocator.available() == engine.runner.kv.allocator.size
 
 
 @pytest.mark.parametrize("preset", ["tiny", "small"])
@@ -135,9 +135,9 @@ def test_latent_pool_bytes_per_token(model_factory, dtype, size):
     cfg = json.loads((model_dir / "config.json").read_text())
     runner = ModelRunner(EngineConfig(model_path=str(model_dir), dtype=dtype, max_total_tokens=64))
     per_layer = (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * size
-    assert runner.kv_bytes_per_token == cfg["num_hidden_layers"] * per_layer
-    assert isinstance(runner.kv_pool, MLAKVPool)
-    assert runner.kv_pool.nbytes() == 65 * cfg["num_hidden_layers"] * per_layer  # + the padding slot
+    assert runner.kv.bytes_per_token == cfg["num_hidden_layers"] * per_layer
+    assert isinstance(runner.kv.pool, MLAKVPool)
+    assert runner.kv.pool.nbytes() == 65 * cfg["num_hidden_layers"] * per_layer  # + the padding slot
 
 
 def test_mla_bytes_per_token_formula():

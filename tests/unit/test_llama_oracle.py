@@ -70,7 +70,7 @@ def test_continuous_batching_matches_hf(case):
     assert [r.output_ids for r in reqs] == ref_tokens
     for logits, ref in zip(prefill, ref_logits, strict=False):
         assert (logits - ref).abs().max().item() < ATOL
-    assert engine.runner.allocator.available() == engine.runner.max_total_tokens
+    assert engine.runner.kv.allocator.available() == engine.runner.kv.allocator.size
 
 
 def test_retraction_under_memory_pressure_matches_hf(case):
@@ -80,7 +80,7 @@ def test_retraction_under_memory_pressure_matches_hf(case):
     results = engine.generate(prompts, GREEDY)
     assert [r.output_ids for r in results] == ref_tokens
     assert sum(r.num_retractions for r in results) > 0, "the pool was sized to force retraction"
-    assert engine.runner.allocator.available() == total
+    assert engine.runner.kv.allocator.available() == total
 
 
 @pytest.mark.parametrize("preset", ["tiny", "small"])

@@ -184,9 +184,9 @@ def test_no_safetensors_files(model_copy):
 def test_json_model_override_args(tiny_model):
     default = _runner(tiny_model)
     overridden = _runner(tiny_model, json_model_override_args={"rms_norm_eps": 0.25, "rope_theta": 1000.0})
-    assert default.config.rms_norm_eps == 1e-5
-    assert overridden.config.rms_norm_eps == 0.25
-    assert overridden.config.rope.theta == 1000.0
+    assert default.model_config.rms_norm_eps == 1e-5
+    assert overridden.model_config.rms_norm_eps == 0.25
+    assert overridden.model_config.rope.theta == 1000.0
     norms = [overridden.model.model.norm] + [
         m for layer in overridden.model.model.layers for m in (layer.input_layernorm, layer.post_attention_layernorm)
     ]
@@ -234,8 +234,8 @@ def test_dtype(tiny_model, dtype, expected):
     runner = _runner(tiny_model, dtype=dtype)
     assert runner.dtype == expected
     assert {p.dtype for p in runner.model.parameters()} == {expected}
-    assert {b.dtype for b in runner.kv_pool.k_buffers + runner.kv_pool.v_buffers} == {expected}
-    assert runner.kv_bytes_per_token == 2 * 2 * 2 * 16 * torch.empty((), dtype=expected).element_size()
+    assert {b.dtype for b in runner.kv.pool.k_buffers + runner.kv.pool.v_buffers} == {expected}
+    assert runner.kv.bytes_per_token == 2 * 2 * 2 * 16 * torch.empty((), dtype=expected).element_size()
     logits = _logits(runner)
     assert logits.dtype == torch.float32  # logits are float32 whatever the weights
     if expected is not torch.float32:

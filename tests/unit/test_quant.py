@@ -9,8 +9,9 @@ import torch
 from llmserve.bench.driver import greedy_with_split_prefill
 from tests.unit.oracle import encode_prompts
 from worker_svc.config.engine_config import EngineConfig
+from worker_svc.executor.kernel_choice import cpu_quant_ops
 from worker_svc.executor.model_runner import ModelRunner
-from worker_svc.executor.quantize import QuantConfigError, cpu_quant_ops, dequantized_reference, parse_quant_config
+from worker_svc.executor.quantize import QuantConfigError, dequantized_reference, parse_quant_config
 from worker_svc.kernels import cpu_ext
 
 WEIGHT_ONLY = ["int8wo", "int4wo-32", "int4wo-64"]
@@ -92,7 +93,7 @@ def test_quantized_weight_bytes(model_factory):
     full = _runner(model_dir, "none", dtype="bfloat16", cpu_bf16_linear="aten")
     int8 = _runner(model_dir, "int8wo", dtype="bfloat16", cpu_bf16_linear="aten")
     int4 = _runner(model_dir, "int4wo-64", dtype="bfloat16", cpu_bf16_linear="aten")
-    cfg = full.config
+    cfg = full.model_config
     linear = cfg.num_hidden_layers * (
         cfg.hidden_size * (cfg.q_size + 2 * cfg.kv_size)
         + cfg.q_size * cfg.hidden_size

@@ -74,7 +74,7 @@ def _assert_kv_consistent(engine: Engine) -> None:
     """Slots of live requests and the allocator's free list partition 1..size exactly; request rows
     of live requests are distinct and, with the free rows, account for every row."""
     sched = engine.scheduler
-    alloc, table = engine.runner.allocator, engine.runner.req_table
+    alloc, table = engine.runner.kv.allocator, engine.runner.kv.req_table
     live = list(sched.running) + ([sched.chunked] if sched.chunked is not None else [])
     rows = [r.req_row for r in live]
     assert None not in rows
@@ -92,9 +92,10 @@ def _assert_kv_consistent(engine: Engine) -> None:
 def _assert_all_released(engine: Engine) -> None:
     sched = engine.scheduler
     assert not sched.has_work()
-    assert engine.runner.allocator.available() == engine.runner.max_total_tokens
-    assert engine.runner.req_table.available() == engine.config.max_running_requests
-    assert sorted(engine.runner.allocator._free.tolist()) == list(range(1, engine.runner.max_total_tokens + 1))
+    kv = engine.runner.kv
+    assert kv.allocator.available() == kv.allocator.size
+    assert kv.req_table.available() == engine.config.max_running_requests
+    assert sorted(kv.allocator._free.tolist()) == list(range(1, kv.allocator.size + 1))
 
 
 def _step_checked(engine: Engine) -> list:
@@ -386,7 +387,9 @@ def test_eos_stops_unless_ignored(stop_case):
     engine, prompt, params, ref, k = stop_case
     eos = ref[k]
     custom = Engine(engine.config)
-    custom.scheduler = Scheduler(custom.runner, eos_token_ids=frozenset({eos}))
+    custom.scheduler = Scheduler(
+        custom.runner, custom.runner.kv, custom.runner.engine_config, eos_token_ids=frozenset({eos})
+    )
     (res,) = custom.generate([prompt], dataclasses.replace(params, ignore_eos=False))
     assert res.output_ids == ref[: k + 1]
     assert res.finish_reason is FinishReason.STOP and res.matched_stop == eos

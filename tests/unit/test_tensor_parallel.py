@@ -156,7 +156,7 @@ def _linear_bytes(model: torch.nn.Module) -> int:
 
 def test_tp2_shards_halve_parameter_memory(models):
     full = _sharded(models["small"], 0, 1)
-    vocab, hidden = full.config.vocab_size, full.config.hidden_size
+    vocab, hidden = full.model_config.vocab_size, full.model_config.hidden_size
     for rank in range(2):
         shard = _sharded(models["small"], rank, 2)
         ratio = _linear_bytes(shard.model) / _linear_bytes(full.model)
@@ -164,7 +164,7 @@ def test_tp2_shards_halve_parameter_memory(models):
         for module in (shard.model.model.embed_tokens, shard.model.lm_head):
             assert tuple(module.weight.shape) == (vocab // 2, hidden)
         assert 0.45 <= shard.weight_nbytes / full.weight_nbytes <= 0.55  # norms are the only replicas
-        assert shard.kv_pool.nbytes() * 2 == full.kv_pool.nbytes()
+        assert shard.kv.pool.nbytes() * 2 == full.kv.pool.nbytes()
 
 
 def test_kv_heads_replicated_when_fewer_than_ranks(models):
@@ -175,8 +175,11 @@ def test_kv_heads_replicated_when_fewer_than_ranks(models):
         q_full = f.get_tensor("model.layers.0.self_attn.q_proj.weight")
     head_dim = k_full.shape[0] // 2
     for rank in range(4):
-        qkv = _sharded(model_dir, rank, 4).model.model.layers[0].self_attn.qkv_proj
+        runner = _sharded(model_dir, rank, 4)
+        qkv = runner.model.model.layers[0].self_attn.qkv_proj
         assert (qkv.num_heads, qkv.num_kv_heads) == (1, 1)
+        # The runner sizes the pool from config + TP; it must agree with how the layer sharded.
+        assert runner.kv.pool.k_buffers[0].shape[1:] == (qkv.num_kv_heads, head_dim)
         kv_head = rank // 2  # query head `rank` belongs to KV group rank // (4 / 2)
         q, k, v = qkv.weight.split([head_dim, head_dim, head_dim])
         assert torch.equal(q, q_full[rank * head_dim : (rank + 1) * head_dim])

@@ -246,7 +246,7 @@ class EngineLoop:
                         return
                     if not tick and not self.scheduler.has_work():
                         break  # stop requested and nothing left
-                if tick:
+                if tick and self._idle_tick is not None:  # tick is only set when there is one
                     self._idle_tick()
                     last_activity = time.monotonic()
                     continue
@@ -315,17 +315,16 @@ class EngineLoop:
         return sum(n for _, n in self._generated) / max(now - self._generated[0][0], 1.0)
 
     def _snapshot(self) -> LoadSnapshot:
-        sched = self.scheduler
-        load = sched.load()
+        counts = self.scheduler.counts()
         return LoadSnapshot(
-            running=load.running,
-            waiting=load.waiting,
+            running=counts.running,
+            waiting=counts.waiting,
             in_flight=len(self._sinks),
-            waiting_prompt_tokens=sum(len(r.prompt_ids) for r in sched.waiting),
-            used_tokens=load.used_tokens,
-            free_tokens=load.free_tokens,
-            total_tokens=load.total_tokens,
-            max_running_requests=sched.engine.max_running_requests,
+            waiting_prompt_tokens=counts.waiting_prompt_tokens,
+            used_tokens=counts.used_tokens,
+            free_tokens=counts.free_tokens,
+            total_tokens=counts.total_tokens,
+            max_running_requests=self.scheduler.engine_config.max_running_requests,
             gen_throughput=0.0,  # computed when read
-            retracted_waiting=sum(1 for r in sched.waiting if r.num_retractions),
+            retracted_waiting=counts.retracted_waiting,
         )

@@ -2,8 +2,9 @@
 
 Each ``step()`` runs one model forward: an extend batch when waiting requests can be admitted (new
 prompts, the next chunk of a long prompt, or the recompute of a retracted request), otherwise one
-decode token for every running request. It owns KV accounting: slots are taken from the allocator
-when a step needs them and returned when a request finishes, is aborted or is retracted.
+decode token for every running request. It owns KV accounting on the runner's ``KVCache``: slots are
+taken from its allocator when a step needs them and returned when a request finishes, is aborted or is
+retracted.
 
 Thread model: ``submit``/``abort`` may be called from any thread (they only enqueue); ``step`` runs
 on the single engine thread.
@@ -15,36 +16,54 @@ import math
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import structlog
 import torch
 
+from worker_svc.config.engine_config import EngineConfig
 from worker_svc.engine.request import FinishReason, Request, RequestError, StepOutput
-from worker_svc.executor.model_runner import ModelRunner
+from worker_svc.executor.step_runner import StepRunner
 from worker_svc.forward_batch import FatalStepError, ForwardMode, StepInput
-from worker_svc.sampling import SampleOutput, Sampler, SamplingBatch, SamplingParamError
+from worker_svc.kvcache import KVCache
+from worker_svc.sampling import SampleOutput, Sampler, SamplingBatch, SamplingParamError, SamplingParams
 
 log = structlog.get_logger(__name__)
 
 
 @dataclass(frozen=True)
-class SchedulerLoad:
+class QueueCounts:
+    """The scheduler's queues and KV slot use (the engine loop's ``LoadSnapshot`` adds the rest)."""
+
     running: int
     waiting: int
+    waiting_prompt_tokens: int
+    retracted_waiting: int  # waiting requests that were retracted and await recompute
     free_tokens: int
     total_tokens: int
     used_tokens: int
 
 
 class Scheduler:
-    def __init__(self, runner: ModelRunner, eos_token_ids: frozenset[int] | None = None) -> None:
+    """``kv`` is the runner's KV cache (the engine passes ``runner.kv``): this scheduler owns its slot
+    accounting; ``engine_config`` gives the batching budgets."""
+
+    def __init__(
+        self,
+        runner: StepRunner,
+        kv: KVCache,
+        engine_config: EngineConfig,
+        eos_token_ids: frozenset[int] | None = None,
+    ) -> None:
         self.runner = runner
-        self.engine = runner.engine
-        self.allocator = runner.allocator
-        self.req_table = runner.req_table
+        self.engine_config = engine_config
+        self.allocator = kv.allocator
+        self.req_table = kv.req_table
         self.sampler = Sampler()
-        self.eos_token_ids = frozenset(runner.config.eos_token_ids if eos_token_ids is None else eos_token_ids)
+        model_config = runner.model_config
+        self.eos_token_ids = frozenset(model_config.eos_token_ids if eos_token_ids is None else eos_token_ids)
+        self.vocab_size = model_config.vocab_size
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.chunked: Request | None = None  # a long prompt part-way through chunked prefill
@@ -54,9 +73,9 @@ class Scheduler:
 
     # ---- API for other threads -------------------------------------------------------------------
 
-    def validate(self, prompt_ids: list[int], params) -> None:
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raise RequestError (naming the field) for a request this worker can never serve."""
-        vocab = self.runner.config.vocab_size
+        vocab = self.vocab_size
         if not prompt_ids:
             raise RequestError("input_ids", "input_ids is empty: the prompt needs at least one token")
         bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
@@ -93,11 +112,15 @@ class Scheduler:
             pending = bool(self._inbox or self._abort_inbox)
         return pending or bool(self.waiting or self.running or self.chunked)
 
-    def load(self) -> SchedulerLoad:
+    def counts(self) -> QueueCounts:
+        """Call when no step runs (on the engine thread between steps, or before it starts): the
+        queues are read without the lock."""
         free = self.allocator.available()
-        return SchedulerLoad(
+        return QueueCounts(
             running=len(self.running) + (self.chunked is not None),
             waiting=len(self.waiting),
+            waiting_prompt_tokens=sum(len(r.prompt_ids) for r in self.waiting),
+            retracted_waiting=sum(1 for r in self.waiting if r.num_retractions),
             free_tokens=free,
             total_tokens=self.allocator.size,
             used_tokens=self.allocator.size - free,
@@ -134,15 +157,15 @@ class Scheduler:
                 return req
         return None
 
-    def _reserved_for_decode(self, extra: list[Request] = ()) -> int:
-        ratio = self.engine.new_token_reserve_ratio
+    def _reserved_for_decode(self, extra: Sequence[Request] = ()) -> int:
+        ratio = self.engine_config.new_token_reserve_ratio
         return math.ceil(ratio * sum(r.remaining_new_tokens for r in (*self.running, *extra)))
 
     def _schedule_extend(self) -> list[tuple[Request, int]]:
         """Pick (request, new tokens) pairs for an extend step within the token and memory budgets."""
-        budget = self.engine.max_prefill_tokens
+        budget = self.engine_config.max_prefill_tokens
         available = self.allocator.available()
-        chunk_size = self.engine.chunked_prefill_size
+        chunk_size = self.engine_config.chunked_prefill_size
         batch: list[tuple[Request, int]] = []
         if self.chunked is not None:
             req = self.chunked
@@ -156,10 +179,11 @@ class Scheduler:
                 return batch  # one chunked request at a time
         admitted: list[Request] = []
         while self.waiting and budget > 0:
-            if len(self.running) + len(batch) >= self.engine.max_running_requests or not self.req_table.available():
+            full = len(self.running) + len(batch) >= self.engine_config.max_running_requests
+            if full or not self.req_table.available():
                 break
             req = self.waiting[0]
-            need = req.seq_len + math.ceil(self.engine.new_token_reserve_ratio * req.remaining_new_tokens)
+            need = req.seq_len + math.ceil(self.engine_config.new_token_reserve_ratio * req.remaining_new_tokens)
             if need > available - self._reserved_for_decode(admitted):
                 break  # first come, first served: do not let later requests overtake it
             n = min(req.seq_len, chunk_size, budget)
@@ -177,7 +201,7 @@ class Scheduler:
     def _mixed_decode(self, extend: list[tuple[Request, int]]) -> list[tuple[Request, int]]:
         """Running requests ride along in an extend step as one-token extends, so a long chunked
         prefill does not stall everyone's decoding (sglang's mixed chunk)."""
-        if not self.engine.enable_mixed_chunk:
+        if not self.engine_config.enable_mixed_chunk:
             return []
         in_extend = {id(req) for req, _ in extend}
         riders = [req for req in self.running if id(req) not in in_extend]
@@ -273,7 +297,7 @@ class Scheduler:
             output_ids=[r.output_ids for r in reqs],
             prompt_ids=[r.prompt_ids for r in reqs],
             eos_token_ids=self.eos_token_ids,
-            vocab_size=self.runner.config.vocab_size,
+            vocab_size=self.vocab_size,
             device=self.runner.device,
         )
 

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Protocol, runtime_checkable
 
 import structlog
 from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
 
-from worker_svc.layers.linear import ShapeMismatchError
+from worker_svc.layers.linear import ShapeMismatchError, SliceableTensor
 
 log = structlog.get_logger(__name__)
 
@@ -27,6 +28,24 @@ _PROGRESS_MIN_BYTES = 256 * 1024 * 1024
 
 class CheckpointError(ValueError):
     pass
+
+
+# (fused parameter, checkpoint name fragment, shard id), e.g. ("qkv_proj", "q_proj", "q").
+StackedParams = tuple[tuple[str, str, object], ...]
+
+
+@runtime_checkable
+class FusedCheckpoint(Protocol):
+    """A model whose fused parameters load from several checkpoint tensors."""
+
+    stacked_params: StackedParams
+
+
+@runtime_checkable
+class ShardLoader(Protocol):
+    """A module that reads its own (tensor-parallel) slice of a checkpoint tensor."""
+
+    def weight_loader(self, param: nn.Parameter, source: SliceableTensor, shard_id: object) -> None: ...
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
@@ -43,15 +62,15 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def _target(name: str, stacked: tuple[tuple[str, str, object], ...]) -> tuple[str, object]:
+def _target(name: str, stacked: StackedParams) -> tuple[str, object]:
     for fused, fragment, shard_id in stacked:
         if f".{fragment}." in name:
             return name.replace(f".{fragment}.", f".{fused}."), shard_id
     return name, None
 
 
-def _expected_names(params: dict[str, nn.Parameter], stacked: tuple[tuple[str, str, object], ...]) -> set[str]:
-    names = set()
+def _expected_names(params: dict[str, nn.Parameter], stacked: StackedParams) -> set[str]:
+    names: set[str] = set()
     for name in params:
         fragments = [frag for fused, frag, _ in stacked if f".{fused}." in name]
         if fragments:
@@ -69,10 +88,14 @@ def _copy_whole(param: nn.Parameter, source, shard_id: object = None) -> None:
     param.data.copy_(source[:])
 
 
-def load_checkpoint(model: nn.Module, model_dir: str | Path, show_progress: bool | None = None) -> None:
+def load_checkpoint(
+    model: nn.Module, model_dir: str | Path, show_progress: bool | None = None, tied_embeddings: bool = False
+) -> None:
+    """``tied_embeddings``: the LM head shares the embedding, so a checkpoint's ``lm_head.weight`` is
+    an extra copy to skip."""
     model_dir = Path(model_dir)
     files = checkpoint_files(model_dir)
-    stacked = getattr(model, "stacked_params", ())
+    stacked = model.stacked_params if isinstance(model, FusedCheckpoint) else ()
     params = dict(model.named_parameters())  # tied weights appear once
     expected = _expected_names(params, stacked)
     total_bytes = sum(f.stat().st_size for f in files)
@@ -87,13 +110,13 @@ def load_checkpoint(model: nn.Module, model_dir: str | Path, show_progress: bool
                     continue
                 param_name, shard_id = _target(name, stacked)
                 if param_name not in params:
-                    if name == "lm_head.weight" and getattr(model.config, "tie_word_embeddings", False):
+                    if name == "lm_head.weight" and tied_embeddings:
                         continue  # tied checkpoints may still carry a copy of the embedding
                     log.warning("checkpoint tensor has no parameter; ignored", tensor=name)
                     continue
                 module_name, _, attr = param_name.rpartition(".")
                 module = model.get_submodule(module_name)
-                loader = getattr(module, "weight_loader", None) or _copy_whole
+                loader = module.weight_loader if isinstance(module, ShardLoader) else _copy_whole
                 try:
                     loader(params[param_name], handle.get_slice(name), shard_id)
                 except ShapeMismatchError as exc:

@@ -13,7 +13,8 @@ Int4WeightOnlyConfig, Int8DynamicActivationInt8WeightConfig, Float8...), which r
 there. On the CPU torchao 0.15's configs either miss the fast kernels or need extensions built for
 another torch, so the CPU path uses torchao's quantization primitives (``choose_qparams_affine``,
 ``quantize_affine`` and the tinygemm variants) to produce the same quantized values and runs them
-with one of two kernel sets (``--cpu-quant-kernel``; the kernel classes are in layers/quant_kernels.py):
+with one of two kernel sets (``--cpu-quant-kernel``, picked in executor/kernel_choice.py; the kernel
+classes are in kernels/quant_linear.py):
 
 - ``aten``: ``_weight_int8pack_mm`` (int8 weight-only), ``_weight_int4pack_mm_for_cpu`` (int4,
   grouped asymmetric) and ``_int_mm`` (int8 x int8, dynamic per-token activations). They are
@@ -37,6 +38,7 @@ check either.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import structlog
@@ -44,10 +46,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker_svc.kernels import cpu_ext
 from worker_svc.kernels.quant_linear import Int4WeightOnlyKernel, Int8DynamicKernel, Int8WeightOnlyKernel
 from worker_svc.layers.embedding import ParallelLMHead
-from worker_svc.layers.linear import KernelLinear, RowParallelLinear, embedding_parameter_ids, release_weight
+from worker_svc.layers.linear import (
+    KernelLinear,
+    LinearKernel,
+    RowParallelLinear,
+    embedding_parameter_ids,
+    release_weight,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -86,30 +93,14 @@ def check_runnable(config: QuantConfig, device: torch.device) -> None:
         )
 
 
-def cpu_quant_ops(choice: str):
-    """The AVX2 kernels (``torch.ops.llmserve_cpu``) for ``--cpu-quant-kernel choice``, or None for aten's.
-
-    ``auto`` takes them only on AVX2-only CPUs: with AVX-512, aten's kernels are vectorized too.
-    """
-    if choice == "aten" or (choice == "auto" and torch.backends.cpu.get_cpu_capability() != "AVX2"):
-        return None
-    ops = cpu_ext.load()
-    if ops is None and choice == "avx2":
-        raise QuantConfigError(
-            "--cpu-quant-kernel avx2: the AVX2 kernels cannot run here (needs x86-64 with AVX2 and a C++ "
-            "compiler; the log says why); use --cpu-quant-kernel aten"
-        )
-    return ops
-
-
 # ---- applying a config -------------------------------------------------------------------------
 
 
-def _targets(model: nn.Module, include_lm_head: bool) -> list[tuple[str, nn.Module]]:
+def _targets(model: nn.Module, include_lm_head: bool) -> list[tuple[str, KernelLinear | ParallelLMHead]]:
     return [
         (name, module)
         for name, module in model.named_modules()
-        if (isinstance(module, KernelLinear) and not getattr(module, "needs_weight", False))
+        if (isinstance(module, KernelLinear) and not module.needs_weight)
         or (include_lm_head and isinstance(module, ParallelLMHead))
     ]
 
@@ -128,7 +119,7 @@ def check_alignment(model: nn.Module, config: QuantConfig, tp_size: int, include
             )
 
 
-def _row_absmax_over_ranks(module: nn.Module) -> torch.Tensor | None:
+def _row_absmax_over_ranks(module: KernelLinear | ParallelLMHead) -> torch.Tensor | None:
     """For a row-parallel shard, each output row's |max| over every rank's columns."""
     if not isinstance(module, RowParallelLinear) or module.tp.size == 1:
         return None
@@ -143,34 +134,38 @@ def quantize_model(
     dtype: torch.dtype,
     device: torch.device,
     include_lm_head: bool = False,
-    cpu_kernel: str = "auto",
+    cpu_ops: object | None = None,
 ) -> int:
     """Quantize the projection layers in place; returns how many layers were quantized. Every rank
-    must call it (row-parallel int8 scales take one max-reduction per layer). ``cpu_kernel``:
-    ``--cpu-quant-kernel`` (auto | avx2 | aten)."""
+    must call it (row-parallel int8 scales take one max-reduction per layer). ``cpu_ops``: the AVX2
+    kernels the CPU layers run, or None for aten's (executor/kernel_choice.py picks them from
+    ``--cpu-quant-kernel``)."""
     if config.method == "none":
         return 0
     check_runnable(config, device)
     targets = _targets(model, include_lm_head)
     if device.type == "cuda":
-        return _quantize_with_torchao(model, config, {id(m) for _, m in targets})
-    ops = cpu_quant_ops(cpu_kernel)
+        return _quantize_with_torchao(model, config, [m for _, m in targets])
     tied = embedding_parameter_ids(model)
     for _, module in targets:
         weight = module.weight.data
+        kernel: Int8WeightOnlyKernel | Int4WeightOnlyKernel
         if config.method == "int8wo":
-            module.kernel = Int8WeightOnlyKernel(weight, dtype, _row_absmax_over_ranks(module), ops)
+            kernel = Int8WeightOnlyKernel(weight, dtype, _row_absmax_over_ranks(module), cpu_ops)
         elif config.method == "int8dq":
-            module.kernel = Int8DynamicKernel(weight, dtype, _row_absmax_over_ranks(module), ops)
+            kernel = Int8DynamicKernel(weight, dtype, _row_absmax_over_ranks(module), cpu_ops)
         else:
-            module.kernel = Int4WeightOnlyKernel(weight, dtype, config.group_size, ops)
+            kernel = Int4WeightOnlyKernel(weight, dtype, config.group_size, cpu_ops)
+        module.kernel = kernel
         module.quantized = True
         release_weight(module, tied)  # the kernel holds the quantized copy
-    log.info("quantized", config=config.name, layers=len(targets), cpu_kernel="avx2" if ops is not None else "aten")
+    log.info("quantized", config=config.name, layers=len(targets), cpu_kernel="avx2" if cpu_ops is not None else "aten")
     return len(targets)
 
 
-def _quantize_with_torchao(model: nn.Module, config: QuantConfig, target_ids: set[int]) -> int:
+def _quantize_with_torchao(
+    model: nn.Module, config: QuantConfig, targets: list[KernelLinear | ParallelLMHead]
+) -> int:
     from torchao.quantization import (
         Float8DynamicActivationFloat8WeightConfig,
         Float8WeightOnlyConfig,
@@ -188,22 +183,34 @@ def _quantize_with_torchao(model: nn.Module, config: QuantConfig, target_ids: se
         "fp8wo": lambda: Float8WeightOnlyConfig(),
         "fp8dq": lambda: Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()),
     }[config.method]()
+    target_ids = {id(m) for m in targets}
     # Our parallel linears use F.linear by default, which dispatches on torchao's tensor subclasses.
     quantize_(model, ao_config, filter_fn=lambda module, _: id(module) in target_ids)
-    for module in model.modules():
-        if id(module) in target_ids:
-            module.quantized = True
-    return len(target_ids)
+    for module in targets:  # quantize_ swaps their weights in place: the modules stay
+        module.quantized = True
+    return len(targets)
 
 
 def dequantized_reference(model: nn.Module) -> None:
     """Swap every quantized CPU kernel for a plain fp32 linear over its dequantized weight: the
     reference that says what the quantized weights mean (tests and accuracy reports)."""
     for module in model.modules():
-        kernel = getattr(module, "kernel", None)
-        if hasattr(kernel, "dequantized"):
-            weight = kernel.dequantized().float()
-            prepare = getattr(kernel, "fake_quantize_activations", lambda x: x.float())
-            module.kernel = lambda x, _w, bias, weight=weight, prepare=prepare: F.linear(
-                prepare(x), weight, None if bias is None else bias.float()
-            ).to(x.dtype)
+        if not isinstance(module, (KernelLinear, ParallelLMHead)):
+            continue
+        kernel = module.kernel
+        if not isinstance(kernel, (Int8WeightOnlyKernel, Int4WeightOnlyKernel)):
+            continue
+        prepare: Callable[[torch.Tensor], torch.Tensor] = (
+            kernel.fake_quantize_activations if isinstance(kernel, Int8DynamicKernel) else lambda x: x.float()
+        )
+        module.kernel = _fp32_linear(kernel.dequantized().float(), prepare)
+
+
+def _fp32_linear(weight: torch.Tensor, prepare: Callable[[torch.Tensor], torch.Tensor]) -> LinearKernel:
+    """A kernel computing ``prepare(x) @ weight.T`` in fp32, returned in x's dtype; ignores the module's
+    own (released) weight."""
+
+    def linear(x: torch.Tensor, _weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return F.linear(prepare(x), weight, None if bias is None else bias.float()).to(x.dtype)
+
+    return linear

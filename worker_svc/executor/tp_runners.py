@@ -7,21 +7,29 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
+import torch.multiprocessing as mp
 
+from worker_svc.config.engine_config import EngineConfig
+from worker_svc.config.model_config import ModelConfig
 from worker_svc.executor.model_runner import ModelRunner
+from worker_svc.executor.step_runner import StepRunner
 from worker_svc.forward_batch import FatalStepError, StepInput
+from worker_svc.kvcache import KVCache
 from worker_svc.parallel.context import TPContext
 from worker_svc.parallel.group import DEFAULT_TIMEOUT_S, destroy_tp, init_tp, rank_device
 from worker_svc.parallel.step_broadcast import broadcast_keepalive, broadcast_step, receive_step
+
+_T = TypeVar("_T")
 
 
 class FollowerLoop:
     """A follower rank: receive a step, run it, repeat until the leader sends STOP."""
 
-    def __init__(self, runner: Any, tp: TPContext) -> None:
+    def __init__(self, runner: StepRunner, tp: TPContext) -> None:
         if tp.is_leader:
             raise ValueError("rank 0 is the leader, not a follower")
         self.runner = runner
@@ -41,13 +49,13 @@ class TPGroupFailed(FatalStepError):
 
 
 class LeaderRunner:
-    """Wraps the leader's ``ModelRunner``: ``forward`` broadcasts the step, then runs it locally.
+    """The leader's ``StepRunner``: ``forward`` broadcasts the step, then runs it on the wrapped runner.
 
-    Every other attribute (allocator, request table, config, ...) is the wrapped runner's, so the
-    scheduler and ``StaticBatch`` use it unchanged.
+    Everything else the engine reads (configs, device, KV cache, ...) is the wrapped runner's, passed
+    through explicitly, so the scheduler and ``StaticBatch`` use it like a ``ModelRunner``.
     """
 
-    def __init__(self, runner: Any, tp: TPContext) -> None:
+    def __init__(self, runner: StepRunner, tp: TPContext) -> None:
         if not tp.is_leader:
             raise ValueError("only rank 0 leads")
         self.runner = runner
@@ -55,10 +63,35 @@ class LeaderRunner:
         self.stopped = False
         self.broken: BaseException | None = None
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.runner, name)
+    @property
+    def engine_config(self) -> EngineConfig:
+        return self.runner.engine_config
 
-    def _guarded(self, fn, *args: Any) -> Any:
+    @property
+    def model_config(self) -> ModelConfig:
+        return self.runner.model_config
+
+    @property
+    def device(self) -> torch.device:
+        return self.runner.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.runner.dtype
+
+    @property
+    def context_len(self) -> int:
+        return self.runner.context_len
+
+    @property
+    def kv(self) -> KVCache:
+        return self.runner.kv
+
+    @property
+    def weight_nbytes(self) -> int:
+        return self.runner.weight_nbytes
+
+    def _guarded(self, fn: Callable[[], _T]) -> _T:
         """Any failure here leaves the ranks out of step (a peer is gone, or waits in a collective this
         rank will never join), so it breaks the group for good: TPGroupFailed, now and on every call."""
         if self.stopped:
@@ -66,7 +99,7 @@ class LeaderRunner:
         if self.broken is not None:
             raise TPGroupFailed(f"tensor-parallel group is broken: {self.broken!r}")
         try:
-            return fn(*args)
+            return fn()
         except Exception as exc:
             self.broken = exc
             raise TPGroupFailed(f"tensor-parallel step failed: {exc}") from exc
@@ -80,7 +113,7 @@ class LeaderRunner:
 
     def keepalive(self) -> None:
         """An idle tick: a header the followers skip, so no collective waits past the group timeout."""
-        self._guarded(broadcast_keepalive, self.tp)
+        self._guarded(lambda: broadcast_keepalive(self.tp))
 
     def stop_followers(self) -> None:
         """Send STOP once; the followers' loops return."""
@@ -93,42 +126,50 @@ def run_follower(
     rank: int,
     size: int,
     init_addr: str,
-    engines: list[Any],
+    engine_configs: list[EngineConfig],
     threads: int | None = None,
     timeout_s: float | None = None,
 ) -> list[int]:
     """Entry point of a follower process: join the group, then for each ``EngineConfig`` in turn build
-    this rank's runner and replay the leader's steps until STOP. Returns the steps run per engine."""
+    this rank's runner and replay the leader's steps until STOP. Returns the steps run per config."""
     if threads:
         torch.set_num_threads(threads)
-    tp = init_tp(rank, size, init_addr, engines[0].device, timeout_s or DEFAULT_TIMEOUT_S)
+    tp = init_tp(rank, size, init_addr, engine_configs[0].device, timeout_s or DEFAULT_TIMEOUT_S)
     steps = []
     try:
-        for engine in engines:
-            device = str(rank_device(engine.device, rank))
-            if device != engine.device:
-                engine = dataclasses.replace(engine, device=device)
-            steps.append(FollowerLoop(ModelRunner(engine, tp), tp).run())
+        for engine_config in engine_configs:
+            device = str(rank_device(engine_config.device, rank))
+            if device != engine_config.device:
+                engine_config = dataclasses.replace(engine_config, device=device)
+            steps.append(FollowerLoop(ModelRunner(engine_config, tp), tp).run())
     finally:
         destroy_tp(tp)
     return steps
 
 
-def _spawned_follower(index: int, *args: Any) -> None:
-    run_follower(index + 1, *args)
+def _spawned_follower(
+    index: int, size: int, init_addr: str, engine_configs: list[EngineConfig], threads: int | None,
+    timeout_s: float | None,
+) -> None:
+    run_follower(index + 1, size, init_addr, engine_configs, threads, timeout_s)
 
 
 def spawn_followers(
-    size: int, init_addr: str, engines: list[Any], threads: int | None = None, timeout_s: float | None = None
-) -> Any:
+    size: int,
+    init_addr: str,
+    engine_configs: list[EngineConfig],
+    threads: int | None = None,
+    timeout_s: float | None = None,
+) -> mp.ProcessContext:
     """Start ranks 1..size-1 as spawned processes (the caller is rank 0); returns the process context
     (``join()`` it after stopping the followers)."""
-    import torch.multiprocessing as mp
+    args = (size, init_addr, engine_configs, threads, timeout_s)
+    context = mp.spawn(_spawned_follower, args=args, nprocs=size - 1, join=False)
+    assert context is not None  # join=False always returns the context
+    return context
 
-    return mp.spawn(_spawned_follower, args=(size, init_addr, engines, threads, timeout_s), nprocs=size - 1, join=False)
 
-
-def join_followers(context: Any, timeout_s: float = 60.0) -> None:
+def join_followers(context: mp.ProcessContext, timeout_s: float = 60.0) -> None:
     """Wait for spawned followers to exit (re-raising a follower's error); kill them past ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
     while not context.join(timeout=max(0.1, deadline - time.monotonic())):

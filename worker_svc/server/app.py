@@ -160,8 +160,8 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
         self.options = options
         self.engine = loop.engine
         self.runner = loop.engine.runner
-        self.model_config = self.runner.config
-        self.max_seq_len = min(self.runner.context_len, self.runner.allocator.size)
+        self.model_config = self.runner.model_config
+        self.max_seq_len = min(self.runner.context_len, self.runner.kv.allocator.size)
         self.start_time = time.time()
         self._start_mono = time.monotonic()
         self.last_receive_time = 0.0
@@ -433,15 +433,15 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
         runner = self.runner
         weight_bytes = runner.weight_nbytes  # measured once at load, after packing/quantization
         return {
-            "max_total_num_tokens": runner.allocator.size,
+            "max_total_num_tokens": runner.kv.allocator.size,
             "max_running_requests": self.engine.config.max_running_requests,
             "max_req_input_len": self.max_seq_len - 1,
             "context_length": runner.context_len,
             "chunked_prefill_size": self.engine.config.chunked_prefill_size,
             "max_prefill_tokens": self.engine.config.max_prefill_tokens,
-            "kv_bytes_per_token": runner.kv_bytes_per_token,
-            "kv_bytes_per_token_if_mha": getattr(runner, "kv_bytes_per_token_if_mha", runner.kv_bytes_per_token),
-            "kv_cache_bytes": runner.kv_pool.nbytes(),
+            "kv_bytes_per_token": runner.kv.bytes_per_token,
+            "kv_bytes_per_token_if_mha": runner.kv.bytes_per_token_if_mha,
+            "kv_cache_bytes": runner.kv.pool.nbytes(),
             "weight_bytes": weight_bytes,
             "dtype": str(runner.dtype).removeprefix("torch."),
             "device": str(runner.device),
@@ -461,7 +461,7 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
             sglang_version=VERSION,
             server_type="grpc",
             start_time=grpc_convert.timestamp(self.start_time),
-            max_total_num_tokens=self.runner.allocator.size,
+            max_total_num_tokens=self.runner.kv.allocator.size,
         )
 
     async def GetLoads(self, request: pb.GetLoadsRequest, context) -> pb.GetLoadsResponse:  # noqa: N802

@@ -1,0 +1,131 @@
+"""CPU kernel policy: which matmul kernel the bf16 linears get, whether RMSNorm and decode attention run
+this project's AVX2 kernels (kernels/csrc), which kernels quantized layers use. Chosen once, before any
+weight is read, from the EngineConfig, the model kind and the device (one ``KernelPlan``, logged once),
+then applied to the loaded model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import structlog
+import torch
+from torch import nn
+
+from worker_svc.attention.base import StepAttentionBackend
+from worker_svc.attention.torch_native import TorchNativeAttentionBackend
+from worker_svc.attention.torch_native_mla import TorchNativeMLABackend
+from worker_svc.config.engine_config import EngineConfig
+from worker_svc.executor.quantize import QuantConfig, QuantConfigError
+from worker_svc.kernels import cpu_ext
+from worker_svc.kernels.bf16_linear import (
+    BlockedUpcastLinear,
+    PackedFp16Linear,
+    cpu_has_native_bf16,
+    fbgemm_available,
+)
+from worker_svc.layers.embedding import ParallelLMHead
+from worker_svc.layers.linear import KernelLinear, embedding_parameter_ids, release_weight
+from worker_svc.layers.norm import RMSNorm
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class KernelPlan:
+    # bf16 linears on the CPU: "aten" (also whenever the weights are not bf16 on the CPU), "fbgemm_fp16",
+    # "fbgemm_fp16_lowmem" or "blocked_upcast" (EngineConfig.cpu_bf16_linear).
+    bf16_linear: str
+    cpu_ops: object | None  # the AVX2 kernels (cpu_ext.load()) for RMSNorm and decode attention, None off x86
+    mla: bool  # the model's attention is MLA (one latent per token), not per-head K/V
+    mla_decode: str  # MLA only: "absorbed" | "normal"
+    quant_ops: object | None  # the AVX2 kernels for quantized layers on the CPU, None for aten's (or no quantization)
+
+    @property
+    def attention_decode(self) -> str:
+        if self.mla:
+            return self.mla_decode
+        return "avx2" if self.cpu_ops is not None else "grouped_matmul"
+
+
+def cpu_quant_ops(choice: str) -> object | None:
+    """The AVX2 kernels (``torch.ops.llmserve_cpu``) for ``--cpu-quant-kernel choice``, or None for aten's.
+
+    ``auto`` takes them only on AVX2-only CPUs: with AVX-512, aten's kernels are vectorized too.
+    """
+    if choice == "aten" or (choice == "auto" and torch.backends.cpu.get_cpu_capability() != "AVX2"):
+        return None
+    ops = cpu_ext.load()
+    if ops is None and choice == "avx2":
+        raise QuantConfigError(
+            "--cpu-quant-kernel avx2: the AVX2 kernels cannot run here (needs x86-64 with AVX2 and a C++ "
+            "compiler; the log says why); use --cpu-quant-kernel aten"
+        )
+    return ops
+
+
+def _bf16_linear_kernel(engine_config: EngineConfig, device: torch.device, dtype: torch.dtype) -> str:
+    choice = engine_config.cpu_bf16_linear
+    if choice == "auto":
+        slow_bf16 = device.type == "cpu" and dtype == torch.bfloat16 and not cpu_has_native_bf16()
+        choice = ("fbgemm_fp16" if fbgemm_available() else "blocked_upcast") if slow_bf16 else "aten"
+    if choice.startswith("fbgemm") and not fbgemm_available():
+        raise ValueError(f"--cpu-bf16-linear {choice} needs a torch build with FBGEMM")
+    return choice if device.type == "cpu" and dtype == torch.bfloat16 else "aten"
+
+
+def choose_kernels(
+    engine_config: EngineConfig, quant: QuantConfig, mla: bool, device: torch.device, dtype: torch.dtype
+) -> KernelPlan:
+    on_cpu = device.type == "cpu"
+    quantized_on_cpu = on_cpu and quant.method != "none"
+    plan = KernelPlan(
+        bf16_linear=_bf16_linear_kernel(engine_config, device, dtype),
+        cpu_ops=cpu_ext.load() if on_cpu else None,
+        mla=mla,
+        mla_decode=engine_config.mla_decode,
+        quant_ops=cpu_quant_ops(engine_config.cpu_quant_kernel) if quantized_on_cpu else None,
+    )
+    log.info(
+        "kernel plan",
+        bf16_linear=plan.bf16_linear,
+        rms_norm="avx2" if plan.cpu_ops is not None else "torch",
+        attention="torch_native_mla" if mla else "torch_native",
+        attention_decode=plan.attention_decode,
+        quant_kernel=("avx2" if plan.quant_ops is not None else "aten") if quantized_on_cpu else None,
+    )
+    return plan
+
+
+def apply_kernels(model: nn.Module, plan: KernelPlan) -> None:
+    """Give the loaded (and quantized) model's bf16 linears and norms the plan's kernels."""
+    _apply_linear_kernels(model, plan.bf16_linear)
+    for module in model.modules():
+        if isinstance(module, RMSNorm):
+            module.cpu_ops = plan.cpu_ops
+
+
+def _apply_linear_kernels(model: nn.Module, choice: str) -> None:
+    if choice == "aten":
+        return
+    blocked = BlockedUpcastLinear()  # one shared scratch buffer: the engine runs one step at a time
+    shared = embedding_parameter_ids(model)
+    for module in model.modules():
+        if not isinstance(module, (KernelLinear, ParallelLMHead)) or module.quantized:
+            continue
+        if choice.startswith("fbgemm_fp16"):
+            keep_bf16 = choice == "fbgemm_fp16"
+            try:
+                module.kernel = PackedFp16Linear(module.weight.data, gemv_from_bf16=keep_bf16)
+            except ValueError:
+                module.kernel = blocked
+                continue
+            if not keep_bf16:
+                release_weight(module, shared)  # the packed copy replaces the bf16 weight
+        else:
+            module.kernel = blocked
+
+
+def attention_backend(plan: KernelPlan) -> StepAttentionBackend:
+    if plan.mla:
+        return TorchNativeMLABackend(plan.mla_decode)
+    return TorchNativeAttentionBackend(plan.attention_decode, plan.cpu_ops)
