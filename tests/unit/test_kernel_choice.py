@@ -1,0 +1,64 @@
+"""The CPU kernel plan (executor/kernel_choice.py): chosen from the EngineConfig, the model kind and the
+device before any weight is read, and applied to the loaded model's linears and norms."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from worker_svc.attention.torch_native import TorchNativeAttentionBackend
+from worker_svc.attention.torch_native_mla import TorchNativeMLABackend
+from worker_svc.config.engine_config import EngineConfig
+from worker_svc.executor.kernel_choice import apply_kernels, attention_backend, choose_kernels
+from worker_svc.executor.quantize import QuantConfigError, parse_quant_config
+from worker_svc.kernels import cpu_ext
+from worker_svc.kernels.bf16_linear import BlockedUpcastLinear, fbgemm_available
+from worker_svc.layers.linear import KernelLinear
+from worker_svc.layers.norm import RMSNorm
+
+CPU = torch.device("cpu")
+NONE = parse_quant_config("none")
+
+
+def _plan(dtype=torch.bfloat16, mla=False, quant=NONE, **kw):
+    return choose_kernels(EngineConfig(model_path="unused", **kw), quant, mla, CPU, dtype)
+
+
+def test_bf16_linear_kernel_applies_only_to_bf16_on_the_cpu():
+    assert _plan(cpu_bf16_linear="blocked_upcast").bf16_linear == "blocked_upcast"
+    assert _plan(torch.float32, cpu_bf16_linear="blocked_upcast").bf16_linear == "aten"
+    assert _plan(torch.float32).bf16_linear == "aten"  # auto
+    if not fbgemm_available():
+        with pytest.raises(ValueError, match="FBGEMM"):
+            _plan(torch.float32, cpu_bf16_linear="fbgemm_fp16")
+
+
+def test_attention_follows_the_model_kind_and_the_cpu_kernels():
+    mha = _plan()
+    assert mha.attention_decode == ("avx2" if cpu_ext.load() is not None else "grouped_matmul")
+    backend = attention_backend(mha)
+    assert isinstance(backend, TorchNativeAttentionBackend) and backend.decode_impl == mha.attention_decode
+    mla = _plan(mla=True, mla_decode="normal")
+    assert mla.attention_decode == "normal"
+    backend = attention_backend(mla)
+    assert isinstance(backend, TorchNativeMLABackend) and backend.mla_decode == "normal"
+
+
+def test_quant_kernels_only_when_quantizing():
+    assert _plan(cpu_quant_kernel="aten", quant=parse_quant_config("int8wo")).quant_ops is None
+    assert _plan(cpu_quant_kernel="avx2").quant_ops is None  # nothing to quantize: not even looked up
+    if cpu_ext.load() is None:
+        with pytest.raises(QuantConfigError, match="cpu-quant-kernel"):
+            _plan(cpu_quant_kernel="avx2", quant=parse_quant_config("int8wo"))
+    else:
+        assert _plan(cpu_quant_kernel="avx2", quant=parse_quant_config("int8wo")).quant_ops is cpu_ext.load()
+
+
+def test_apply_kernels_skips_quantized_layers():
+    model = torch.nn.Sequential(KernelLinear(4, 4), KernelLinear(4, 4), RMSNorm(4, 1e-6)).to(torch.bfloat16)
+    model[1].quantized = True
+    plan = _plan(cpu_bf16_linear="blocked_upcast")
+    apply_kernels(model, plan)
+    assert isinstance(model[0].kernel, BlockedUpcastLinear)
+    assert model[1].kernel is torch.nn.functional.linear
+    assert model[2].cpu_ops is plan.cpu_ops
