@@ -121,12 +121,12 @@ class Child:
         return "\n".join("    " + line for line in lines[-n:]) or "    (empty log)"
 
     def signal(self, sig: int) -> None:
-        if self.alive():
+        if self.proc is not None and self.alive():
             with contextlib.suppress(ProcessLookupError):
                 self.proc.send_signal(sig)
 
     def kill(self) -> None:
-        if self.alive():
+        if self.proc is not None and self.alive():
             self.proc.kill()
         if self.proc is not None:
             self.proc.wait(10)

@@ -25,7 +25,7 @@ import contextlib
 import hashlib
 import itertools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Sequence, Set
 from dataclasses import dataclass
 
 import grpc
@@ -60,7 +60,7 @@ class WorkerGroup:
     address: str
     channel: grpc.aio.Channel
     stub: spb_grpc.SglangSchedulerStub
-    health: int = UNKNOWN
+    health: pb.WorkerHealth = UNKNOWN
     reason: str = "not probed yet"
     load: spb.SchedulerLoad | None = None
     in_flight: int = 0  # this router's requests on the group right now
@@ -195,7 +195,7 @@ class WorkerPool:
         if full or g.health != SERVING:
             self.mark(g, SERVING, "ok")
 
-    def mark(self, g: WorkerGroup, health: int, reason: str) -> None:
+    def mark(self, g: WorkerGroup, health: pb.WorkerHealth, reason: str) -> None:
         changed = g.health != health
         g.health, g.reason = health, reason
         if changed:
@@ -227,7 +227,7 @@ class WorkerPool:
                   for g in self.groups if (i := g.model_info) is not None]
         return min(limits) if limits else None
 
-    def pick(self, prompt_ids: Sequence[int], exclude: set[int] = frozenset()) -> WorkerGroup:
+    def pick(self, prompt_ids: Sequence[int], exclude: Set[int] = frozenset()) -> WorkerGroup:
         candidates = [g for g in self.groups if g.health == SERVING and g.index not in exclude]
         if not candidates:
             # Before the first probe round finished, groups are UNKNOWN: better to try them than refuse.

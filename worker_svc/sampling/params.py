@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Any
 
 # Largest number of alternatives a request may ask for per position (OpenAI's API allows 20).
 MAX_TOP_LOGPROBS = 20
@@ -84,7 +85,7 @@ class SamplingParams:
         ``validate`` still rejects what is wrong. ``stop_token_ids`` is coerced to a tuple (a
         repeated proto field arrives as a list-like container).
         """
-        changes: dict[str, object] = {}
+        changes: dict[str, Any] = {}
         if self.top_p == 0:
             changes["top_p"] = 1.0
         if self.top_k == 0:
