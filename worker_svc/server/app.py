@@ -48,7 +48,7 @@ from worker_svc.engine.engine import Engine
 from worker_svc.engine.engine_loop import EngineLoop, EngineUnavailable, LoopState
 from worker_svc.engine.request import RequestError, StepOutput
 from worker_svc.sampling import SamplingParams
-from worker_svc.server.app import convert as grpc_convert
+from worker_svc.server import convert as grpc_convert
 from worker_svc.server.calls import CallRegistry
 
 log = structlog.get_logger(__name__)
