@@ -17,9 +17,8 @@ import torch.nn.functional as F
 
 from worker_svc.attention.base import MLAAttentionLayer
 from worker_svc.attention.torch_native import DecodeMetadata, ExtendMetadata, TorchNativeAttentionBackend
+from worker_svc.config.engine_config import MLA_DECODE_MODES
 from worker_svc.forward_batch import ForwardBatch, ForwardMode
-
-MLA_DECODE_MODES = ("absorbed", "normal")
 
 
 class TorchNativeMLABackend(TorchNativeAttentionBackend):
