@@ -12,6 +12,7 @@ import contextlib
 
 import grpc
 
+from llmserve.grpc_server import REQUEST_ID_HEADER
 from llmserve.v1 import tokenizer_pb2 as tpb
 from llmserve.v1 import tokenizer_pb2_grpc as tpb_grpc
 
@@ -24,7 +25,7 @@ class StreamDetokenizer:
     def __init__(self, stub: tpb_grpc.TokenizerStub, request_id: str, skip_special_tokens: bool,
                  timeout: float | None = None):
         self._stub = stub
-        self._metadata = (("x-request-id", request_id),)
+        self._metadata = ((REQUEST_ID_HEADER, request_id),)
         self._skip = skip_special_tokens
         self._timeout = timeout
         self._call: grpc.aio.StreamStreamCall[tpb.DetokenizeStreamRequest, tpb.DetokenizeStreamResponse] | None = None

@@ -32,6 +32,7 @@ import grpc
 from smg_grpc_proto import sglang_scheduler_pb2 as spb
 from smg_grpc_proto import sglang_scheduler_pb2_grpc as spb_grpc
 
+from llmserve.grpc_server import REQUEST_ID_HEADER
 from llmserve.logging import get_logger
 from llmserve.message_limits import message_size_options
 from llmserve.security import ChannelSecurity
@@ -265,7 +266,7 @@ class WorkerPool:
                 await g.stub.Abort(
                     spb.AbortRequest(request_id=request_id, reason=reason),
                     timeout=self.options.probe_timeout,
-                    metadata=(("x-request-id", request_id),),
+                    metadata=((REQUEST_ID_HEADER, request_id),),
                 )
             except grpc.aio.AioRpcError as exc:
                 log.debug("abort not delivered", group=g.index, code=exc.code().name)
