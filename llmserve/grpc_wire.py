@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import DecodeError, Message
@@ -32,7 +33,7 @@ def tolerant(message_cls: type[Message]) -> Callable[[bytes], Message | InvalidR
             return message_cls.FromString(data)
         except DecodeError as exc:
             try:
-                where = find_invalid_utf8(message_cls.DESCRIPTOR, data)
+                where = find_invalid_utf8(cast(Descriptor, message_cls.DESCRIPTOR), data)
             except Exception:  # noqa: BLE001 - a deserializer that raises is UNKNOWN to the client
                 where = None
             if where is not None:
@@ -92,7 +93,8 @@ def find_invalid_utf8(desc: Descriptor, data: bytes, prefix: str = "") -> str | 
                     payload.decode("utf-8")
                 except UnicodeDecodeError:
                     return name
-            elif field.type == FieldDescriptor.TYPE_MESSAGE and not field.message_type.GetOptions().map_entry:
+            elif (field.type == FieldDescriptor.TYPE_MESSAGE and field.message_type is not None
+                  and not field.message_type.GetOptions().map_entry):
                 inner = find_invalid_utf8(field.message_type, payload, name + ".")
                 if inner is not None:
                     return inner

@@ -419,7 +419,8 @@ class _AddBearer:
     def _details(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
         metadata = grpc.aio.Metadata(*(details.metadata or ()))
         metadata.add(*self._pair)
-        return details._replace(metadata=metadata)
+        return grpc.aio.ClientCallDetails(details.method, details.timeout, metadata, details.credentials,
+                                          details.wait_for_ready)
 
 
 # grpc.aio files an interceptor under the first of the four kinds it is, so each kind is its own class.

@@ -2,7 +2,7 @@
 
 One policy for every child (the tokenizer, each worker group's rank 0, the router): a child that
 exits while the cluster runs, whatever the cause (a crash, kill -9, the OOM killer, a TP leader
-whose group broke: worker_svc/server/tp_worker.py exits 1 then), is started again with the same command on
+whose group broke: worker_svc/server/tp_leader.py exits 1 then), is started again with the same command on
 the port it had, since the router's worker list and the clients' router address are fixed. The
 restart waits ``backoff_s * 2**k`` seconds (k: the child's restarts within ``window_s``; at most
 ``max_backoff_s``), so a child that keeps crashing does not spin. A restart is done once the child
@@ -121,12 +121,12 @@ class Child:
         return "\n".join("    " + line for line in lines[-n:]) or "    (empty log)"
 
     def signal(self, sig: int) -> None:
-        if self.alive():
+        if self.proc is not None and self.alive():
             with contextlib.suppress(ProcessLookupError):
                 self.proc.send_signal(sig)
 
     def kill(self) -> None:
-        if self.alive():
+        if self.proc is not None and self.alive():
             self.proc.kill()
         if self.proc is not None:
             self.proc.wait(10)

@@ -36,6 +36,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from llmserve.grpc_server import REQUEST_ID_HEADER
 from llmserve.security import BearerToken, ChannelSecurity, ChannelTls
 from llmserve.v1 import router_pb2 as pb
 from llmserve.v1 import router_pb2_grpc as pb_grpc
@@ -182,7 +183,7 @@ def _metadata(request_id: str | None, metadata: Sequence[tuple[str, str]] | None
               auth: Sequence[tuple[str, str]] = ()) -> list[tuple[str, str]]:
     md = list(metadata or ()) + list(auth)
     if request_id:
-        md.append(("x-request-id", request_id))
+        md.append((REQUEST_ID_HEADER, request_id))
     return md
 
 

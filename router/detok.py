@@ -12,6 +12,7 @@ import contextlib
 
 import grpc
 
+from llmserve.grpc_server import REQUEST_ID_HEADER
 from llmserve.v1 import tokenizer_pb2 as tpb
 from llmserve.v1 import tokenizer_pb2_grpc as tpb_grpc
 
@@ -24,10 +25,10 @@ class StreamDetokenizer:
     def __init__(self, stub: tpb_grpc.TokenizerStub, request_id: str, skip_special_tokens: bool,
                  timeout: float | None = None):
         self._stub = stub
-        self._metadata = (("x-request-id", request_id),)
+        self._metadata = ((REQUEST_ID_HEADER, request_id),)
         self._skip = skip_special_tokens
         self._timeout = timeout
-        self._call: grpc.aio.StreamStreamCall | None = None
+        self._call: grpc.aio.StreamStreamCall[tpb.DetokenizeStreamRequest, tpb.DetokenizeStreamResponse] | None = None
         self._open: set[int] = set()
 
     async def push(self, sequence_id: int, token_ids: list[int], final: bool = False) -> str:
@@ -46,7 +47,7 @@ class StreamDetokenizer:
             raise DetokenizeError(f"tokenizer service: {exc.code().name}: {exc.details()}") from exc
         except grpc.aio.UsageError as exc:  # the call already ended
             raise DetokenizeError(f"tokenizer service: stream closed ({exc})") from exc
-        if resp is grpc.aio.EOF:
+        if not isinstance(resp, tpb.DetokenizeStreamResponse):  # grpc.aio.EOF
             code = await self._call.code()
             raise DetokenizeError(f"tokenizer service ended the stream ({code.name})")
         if final:

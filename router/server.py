@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import signal
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -35,11 +33,20 @@ from pathlib import Path
 
 import grpc
 from google.protobuf import struct_pb2
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from smg_grpc_proto import sglang_scheduler_pb2 as spb
 
-from llmserve.grpc_listen import grpc_address, listen
+from llmserve.grpc_server import (
+    CLIENT_REQUEST_ID_HEADER,
+    REQUEST_ID_HEADER,
+    ServiceHealth,
+    grpc_address,
+    listen,
+    metadata_value,
+    stop_signal_event,
+    write_port_file,
+)
 from llmserve.grpc_wire import InvalidRequest, tolerant
 from llmserve.logging import get_logger, request_context
 from llmserve.message_limits import message_size_options
@@ -47,6 +54,7 @@ from llmserve.security import HEALTH_METHODS, ChannelSecurity, ServerSecurity, c
 from llmserve.v1 import router_pb2 as pb
 from llmserve.v1 import tokenizer_pb2 as tpb
 from llmserve.v1 import tokenizer_pb2_grpc as tpb_grpc
+from llmserve.worker_protocol import sample_label
 from router.admission import ANONYMOUS, Admission
 from router.detok import DetokenizeError, StreamDetokenizer
 from router.limits import RequestLimits, check_messages, check_sampling_limits, validate_model_name, validate_request_id
@@ -66,7 +74,6 @@ log = get_logger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Router"].full_name
 _SERVING = health_pb2.HealthCheckResponse.SERVING
-_NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 # Worker errors that say the request itself is wrong: returned as they are, never retried.
 _CLIENT_ERRORS = frozenset({
     grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.FAILED_PRECONDITION,
@@ -193,8 +200,8 @@ class _Run:
         return resp
 
     def _abort_sample(self, s: _Seq, reason: str) -> None:
-        # The worker files sample i of an n > 1 call as "<id>-n<i>" (and Abort takes either).
-        engine_id = self.engine_id if self.plan.n == 1 else f"{self.engine_id}-n{s.index}"
+        # The worker files sample i of an n > 1 call under its sample label (and Abort takes either).
+        engine_id = self.engine_id if self.plan.n == 1 else sample_label(self.engine_id, s.index)
         self.router.pool.abort(self.group, engine_id, reason)
 
     def interrupt(self, reason: str) -> None:
@@ -297,7 +304,7 @@ class _Run:
     async def stream(self) -> AsyncIterator[pb.GenerateResponse]:
         g, plan = self.group, self.plan
         router = self.router
-        metadata = (("x-request-id", self.engine_id), ("x-client-request-id", plan.request_id))
+        metadata = ((REQUEST_ID_HEADER, self.engine_id), (CLIENT_REQUEST_ID_HEADER, plan.request_id))
         g.in_flight += 1
         router.runs.add(self)
         call = g.stub.Generate(self.worker_request, metadata=metadata, timeout=plan.remaining())
@@ -415,17 +422,10 @@ class _WorkerStreamEnded(Exception):
 # ---- the servicer --------------------------------------------------------------------------------
 
 
-def _metadata_value(context: grpc.aio.ServicerContext, key: str) -> str:
-    for k, v in context.invocation_metadata() or ():
-        if k == key:
-            return v if isinstance(v, str) else v.decode(errors="replace")
-    return ""
-
-
 class RouterServicer:
     """Implements llmserve.v1.Router (registered through `handlers()`, see llmserve/grpc_wire.py)."""
 
-    def __init__(self, options: RouterOptions, health_servicer: health.aio.HealthServicer | None = None):
+    def __init__(self, options: RouterOptions, health_servicer: ServiceHealth | None = None):
         self.options = options
         self.health = health_servicer
         self.tok_channel = options.internal_security.aio_channel(options.tokenizer, CHANNEL_OPTIONS)
@@ -520,13 +520,7 @@ class RouterServicer:
             return
         self._serving = ok
         (log.info if ok else log.warning)("router " + ("serving" if ok else "not serving"), reason=reason)
-        status = _SERVING if ok else _NOT_SERVING
-
-        async def publish() -> None:
-            for name in ("", SERVICE_NAME):
-                await self.health.set(name, status)
-
-        asyncio.ensure_future(publish())
+        asyncio.ensure_future(self.health.set_serving(ok))
 
     def _require_facts(self) -> ModelFacts:
         facts = self.facts()
@@ -544,7 +538,7 @@ class RouterServicer:
             min(timeout, self.options.tokenizer_timeout) if timeout is not None else self.options.tokenizer_timeout
         )
         try:
-            return await self.tok_stub.Encode(req, timeout=timeout, metadata=(("x-request-id", request_id),))
+            return await self.tok_stub.Encode(req, timeout=timeout, metadata=((REQUEST_ID_HEADER, request_id),))
         except grpc.aio.AioRpcError as exc:
             raise self._tokenizer_error(exc, field_prefix) from None
 
@@ -570,8 +564,8 @@ class RouterServicer:
         """The client's label for the call (validated: it goes into metadata and log lines)."""
         limits = self.options.limits
         validate_request_id(body_id, limits)
-        header_id = _metadata_value(context, "x-request-id")
-        validate_request_id(header_id, limits, "x-request-id")
+        header_id = metadata_value(context, REQUEST_ID_HEADER)
+        validate_request_id(header_id, limits, REQUEST_ID_HEADER)
         return body_id or header_id or uuid.uuid4().hex
 
     def _plan(self, request_id: str, prompt_ids: list[int], sp: pb.SamplingParams, facts: ModelFacts, context) -> _Plan:
@@ -805,7 +799,7 @@ class RouterServicer:
                 resp = await self.tok_stub.Decode(
                     tpb.DecodeRequest(token_ids=request.token_ids, skip_special_tokens=request.skip_special_tokens),
                     timeout=self.options.tokenizer_timeout,
-                    metadata=(("x-request-id", request_id),),
+                    metadata=((REQUEST_ID_HEADER, request_id),),
                 )
             except grpc.aio.AioRpcError as exc:
                 raise self._tokenizer_error(exc, None) from None
@@ -884,7 +878,7 @@ class RunningRouter:
     server: grpc.aio.Server
     port: int
     servicer: RouterServicer
-    health: health.aio.HealthServicer
+    health: ServiceHealth
 
     async def stop(self, grace: float | None = 5.0) -> None:
         """NOT_SERVING, refuse new calls, let in-flight ones finish for `grace` seconds; streams still
@@ -924,9 +918,8 @@ async def start_router(
         maximum_concurrent_rpcs=_backstop_rpcs(options),
         interceptors=security.interceptors(_OPEN_METHODS, _ADMIN_METHODS, realm="router"),
     )
-    health_servicer = health.aio.HealthServicer()
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, _NOT_SERVING)
+    health_servicer = ServiceHealth(SERVICE_NAME)
+    await health_servicer.set_serving(False)
     servicer = RouterServicer(options, health_servicer)
     handlers = servicer.handlers()
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
@@ -957,14 +950,8 @@ async def _serve(
         internal_token=internal.token is not None,
     )
     if port_file:
-        tmp = Path(f"{port_file}.tmp")
-        tmp.write_text(f"{running.port}\n")
-        os.replace(tmp, port_file)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+        write_port_file(port_file, running.port)
+    await stop_signal_event().wait()
     log.info("router stopping", grace_s=grace)
     await running.stop(grace)
     return 0

@@ -17,8 +17,7 @@ from dataclasses import dataclass
 import grpc
 
 from llmserve.v1 import router_pb2 as pb
-
-MAX_TOP_LOGPROBS = 20
+from llmserve.worker_protocol import MAX_ABS_PENALTY, MAX_TOP_LOGPROBS
 
 
 class RouterError(Exception):
@@ -77,8 +76,9 @@ def validate_sampling(sp: pb.SamplingParams, facts: ModelFacts, prefix: str = "s
     _finite_range(f"{p}min_p", sp.min_p, 0.0, 1.0, "in [0, 1]")
     if not (math.isfinite(sp.repetition_penalty) and sp.repetition_penalty >= 0):
         raise invalid(f"{p}repetition_penalty", f"must be > 0 (0 means unset = 1.0), got {sp.repetition_penalty}")
-    _finite_range(f"{p}frequency_penalty", sp.frequency_penalty, -2.0, 2.0, "in [-2, 2]")
-    _finite_range(f"{p}presence_penalty", sp.presence_penalty, -2.0, 2.0, "in [-2, 2]")
+    penalties = f"in [{-MAX_ABS_PENALTY:g}, {MAX_ABS_PENALTY:g}]"
+    _finite_range(f"{p}frequency_penalty", sp.frequency_penalty, -MAX_ABS_PENALTY, MAX_ABS_PENALTY, penalties)
+    _finite_range(f"{p}presence_penalty", sp.presence_penalty, -MAX_ABS_PENALTY, MAX_ABS_PENALTY, penalties)
     for i, stop in enumerate(sp.stop):
         if not stop:
             raise invalid(f"{p}stop[{i}]", "stop strings must not be empty")

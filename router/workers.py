@@ -25,13 +25,14 @@ import contextlib
 import hashlib
 import itertools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Sequence, Set
 from dataclasses import dataclass
 
 import grpc
 from smg_grpc_proto import sglang_scheduler_pb2 as spb
 from smg_grpc_proto import sglang_scheduler_pb2_grpc as spb_grpc
 
+from llmserve.grpc_server import REQUEST_ID_HEADER
 from llmserve.logging import get_logger
 from llmserve.message_limits import message_size_options
 from llmserve.security import ChannelSecurity
@@ -60,7 +61,7 @@ class WorkerGroup:
     address: str
     channel: grpc.aio.Channel
     stub: spb_grpc.SglangSchedulerStub
-    health: int = UNKNOWN
+    health: pb.WorkerHealth = UNKNOWN
     reason: str = "not probed yet"
     load: spb.SchedulerLoad | None = None
     in_flight: int = 0  # this router's requests on the group right now
@@ -195,7 +196,7 @@ class WorkerPool:
         if full or g.health != SERVING:
             self.mark(g, SERVING, "ok")
 
-    def mark(self, g: WorkerGroup, health: int, reason: str) -> None:
+    def mark(self, g: WorkerGroup, health: pb.WorkerHealth, reason: str) -> None:
         changed = g.health != health
         g.health, g.reason = health, reason
         if changed:
@@ -227,7 +228,7 @@ class WorkerPool:
                   for g in self.groups if (i := g.model_info) is not None]
         return min(limits) if limits else None
 
-    def pick(self, prompt_ids: Sequence[int], exclude: set[int] = frozenset()) -> WorkerGroup:
+    def pick(self, prompt_ids: Sequence[int], exclude: Set[int] = frozenset()) -> WorkerGroup:
         candidates = [g for g in self.groups if g.health == SERVING and g.index not in exclude]
         if not candidates:
             # Before the first probe round finished, groups are UNKNOWN: better to try them than refuse.
@@ -265,7 +266,7 @@ class WorkerPool:
                 await g.stub.Abort(
                     spb.AbortRequest(request_id=request_id, reason=reason),
                     timeout=self.options.probe_timeout,
-                    metadata=(("x-request-id", request_id),),
+                    metadata=((REQUEST_ID_HEADER, request_id),),
                 )
             except grpc.aio.AioRpcError as exc:
                 log.debug("abort not delivered", group=g.index, code=exc.code().name)

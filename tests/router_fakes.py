@@ -14,6 +14,7 @@ from grpc_health.v1 import health_pb2
 from smg_grpc_proto import sglang_scheduler_pb2 as spb
 from smg_grpc_proto import sglang_scheduler_pb2_grpc as spb_grpc
 
+from llmserve.worker_protocol import sample_label
 from router.client import AsyncRouterClient
 from router.server import RouterOptions, start_router
 from tokenizer_svc.server import start_server as start_tokenizer
@@ -63,7 +64,7 @@ class FakeWorker(spb_grpc.SglangSchedulerServicer):
             if self.fail == "mid" and step == 2:
                 await context.abort(grpc.StatusCode.INTERNAL, "scripted mid-stream failure")
             for i in range(n):
-                engine_id = rid if n == 1 else f"{rid}-n{i}"
+                engine_id = rid if n == 1 else sample_label(rid, i)
                 if done[i]:
                     continue
                 if engine_id in self.aborts or rid in self.aborts:

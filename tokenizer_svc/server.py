@@ -8,17 +8,23 @@ Encode of a chat on a model without a chat template is FAILED_PRECONDITION.
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from llmserve.grpc_listen import grpc_address, listen
+from llmserve.grpc_server import (
+    REQUEST_ID_HEADER,
+    ServiceHealth,
+    grpc_address,
+    listen,
+    metadata_value,
+    stop_signal_event,
+    write_port_file,
+)
 from llmserve.logging import get_logger, request_context
 from llmserve.message_limits import message_size_options
 from llmserve.security import HEALTH_METHODS, ServerSecurity
@@ -35,14 +41,10 @@ _INLINE_ENCODE_CHARS = 16_384
 MAX_STREAM_SEQUENCES = 4096
 
 log = get_logger(__name__)
-HealthServicer = health.aio.HealthServicer
 
 
 def _request_id(context: grpc.aio.ServicerContext) -> str:
-    for key, value in context.invocation_metadata() or ():
-        if key == "x-request-id":
-            return value if isinstance(value, str) else value.decode(errors="replace")
-    return ""
+    return metadata_value(context, REQUEST_ID_HEADER)
 
 
 async def _abort_invalid(context: grpc.aio.ServicerContext, error: TokenizerInputError) -> None:
@@ -141,7 +143,7 @@ class TokenizerServicer(pb_grpc.TokenizerServicer):
 class RunningServer:
     server: grpc.aio.Server
     port: int
-    health: HealthServicer
+    health: ServiceHealth
 
     async def stop(self, grace: float | None = 5.0) -> None:
         await self.health.enter_graceful_shutdown()
@@ -156,13 +158,12 @@ async def start_server(model: str | Path | ModelTokenizer, host: str = "127.0.0.
     server = grpc.aio.server(options=message_size_options(),  # the router's bound, not grpc's 4 MiB
                              interceptors=security.interceptors(HEALTH_METHODS, realm="tokenizer service"))
     pb_grpc.add_TokenizerServicer_to_server(TokenizerServicer(tokenizer), server)
-    health_servicer = HealthServicer()
+    health_servicer = ServiceHealth(SERVICE_NAME)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, "grpc.health.v1.Health", reflection.SERVICE_NAME), server)
     bound = listen(server, host, port, security.tls)
     await server.start()
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    await health_servicer.set_serving(True)
     return RunningServer(server, bound, health_servicer)
 
 
@@ -173,14 +174,8 @@ async def _serve(model_dir: str | Path, host: str, port: int, port_file: str | P
              tls=security.tls is not None, mtls=security.tls is not None and security.tls.mutual,
              auth=security.tokens is not None)
     if port_file is not None:
-        tmp = Path(f"{port_file}.tmp")
-        tmp.write_text(f"{running.port}\n")
-        os.replace(tmp, port_file)  # readers never see a half-written file
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+        write_port_file(port_file, running.port)
+    await stop_signal_event().wait()
     log.info("tokenizer service stopping")
     await running.stop()
     return 0

@@ -100,10 +100,6 @@ def _connect_host(host: str) -> str:
     return {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
 
 
-def _join(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
-
-
 def _demo(router: str, args: argparse.Namespace, security: ServeSecurity = ServeSecurity()) -> bool:
     import grpc
 
@@ -170,6 +166,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_cluster(args: argparse.Namespace, model: Path, log_dir: Path, stop: threading.Event,
                  security: ServeSecurity = ServeSecurity()) -> int:
+    from llmserve.grpc_server import grpc_address
     from llmserve.security import write_new_token
 
     py = [sys.executable, "-m", "llmserve.cli"]
@@ -216,8 +213,8 @@ def _run_cluster(args: argparse.Namespace, model: Path, log_dir: Path, stop: thr
         supervisor.wait_ready(backends, stop)
         if not stop.is_set():
             router = Child("router", py + [
-                "router", "--tokenizer", _join(connect, tokenizer.address_port),
-                "--workers", ",".join(_join(connect, w.address_port) for w in workers),
+                "router", "--tokenizer", grpc_address(connect, tokenizer.address_port),
+                "--workers", ",".join(grpc_address(connect, w.address_port) for w in workers),
                 "--host", args.host, "--port", str(args.port), "--port-file", str(log_dir / "router.port"),
                 "--policy", args.policy, "--served-model-name", served, "--probe-interval", str(args.probe_interval),
                 "--shutdown-grace", str(args.shutdown_grace), *limit_argv(args), *security.router_argv(internal_token),
@@ -231,13 +228,13 @@ def _run_cluster(args: argparse.Namespace, model: Path, log_dir: Path, stop: thr
             return 0
 
         assert router is not None
-        address = _join(connect, router.address_port)
+        address = grpc_address(connect, router.address_port)
         print(f"llmserve serve: ready in {time.monotonic() - t0:.1f}s", flush=True)
         print(f"  router     {address}  (llmserve.v1.Router, grpc.health.v1, reflection; pid {router.proc.pid})")
         for i, w in enumerate(workers):
-            print(f"  worker {i}   {_join(connect, w.address_port)}  (sglang.grpc.scheduler.SglangScheduler; "
+            print(f"  worker {i}   {grpc_address(connect, w.address_port)}  (sglang.grpc.scheduler.SglangScheduler; "
                   f"pid {w.proc.pid})")
-        print(f"  tokenizer  {_join(connect, tokenizer.address_port)}  "
+        print(f"  tokenizer  {grpc_address(connect, tokenizer.address_port)}  "
               f"(llmserve.v1.Tokenizer; pid {tokenizer.proc.pid})")
         flags = "".join(f" {a}" for a in security.client_argv())
         print(f'  try:  llmserve generate --router {address}{flags} "Once upon a time" --max-new-tokens 32')

@@ -6,7 +6,7 @@ Builds the engine (model load, KV pool), serves until SIGINT/SIGTERM, then drain
 With ``--port 0`` the OS picks a free port; the bound address is logged and printed, and written to
 ``--port-file`` (atomically) once the server accepts calls.
 
-Tensor parallelism (worker_svc/server/tp_worker.py):
+Tensor parallelism (worker_svc/server/tp_leader.py, tp_follower.py, launch.py):
 
     llmserve worker --tp 2 ...                       # one machine: rank 0 starts ranks 1.. itself
     llmserve worker --tp-size 2 --tp-rank R --dist-init-addr HOST:PORT ...   # one process per rank
@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import signal
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -35,21 +34,15 @@ from llmserve.arg_types import count, positive_seconds
 from llmserve.commands.engine_args import add_engine_args, engine_config_from_args
 from llmserve.logging import configure_logging
 from llmserve.security_args import add_server_args
+from worker_svc.config.tp_timeouts import TP_CONNECT_TIMEOUT_S, TP_SERVING_TIMEOUT_S
 
 if TYPE_CHECKING:
     from llmserve.security import ServerSecurity
-    from worker_svc.server.app import WorkerOptions
+    from worker_svc.server.servicer import WorkerOptions
 
 log = structlog.get_logger(__name__)
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
-
-
-def _write_port_file(path: str, port: int) -> None:
-    target = Path(path)
-    tmp = target.with_name(target.name + ".tmp")
-    tmp.write_text(f"{port}\n")
-    os.replace(tmp, target)
 
 
 def _tp_layout(args: argparse.Namespace) -> tuple[int, int, str | None]:
@@ -69,6 +62,7 @@ def _tp_layout(args: argparse.Namespace) -> tuple[int, int, str | None]:
 
 
 async def _serve(args: argparse.Namespace, security: ServerSecurity) -> int:
+    from llmserve.grpc_server import stop_signal_event, write_port_file
     from worker_svc.engine.engine import Engine
     from worker_svc.server.app import WorkerServer
 
@@ -77,11 +71,11 @@ async def _serve(args: argparse.Namespace, security: ServerSecurity) -> int:
     size, rank, init_addr = _tp_layout(args)
     tp_secret = _tp_secret(args, os.environ) if size > 1 else None
     if rank > 0:
-        from worker_svc.server.tp_worker import serve_follower
+        from worker_svc.server.tp_follower import serve_follower
 
         def listening(port: int) -> None:
             if args.port_file:
-                _write_port_file(args.port_file, port)
+                write_port_file(args.port_file, port)
             print(f"llmserve worker (tp rank {rank}/{size}, health only) listening on {args.host}:{port}", flush=True)
 
         return await serve_follower(
@@ -95,7 +89,8 @@ async def _serve(args: argparse.Namespace, security: ServerSecurity) -> int:
         from llmserve import parent_death
         from llmserve.commands.engine_args import engine_argv
         from worker_svc.parallel.heartbeat import new_secret
-        from worker_svc.server.tp_worker import TPLeader, spawn_follower_processes
+        from worker_svc.server.launch import spawn_follower_processes
+        from worker_svc.server.tp_leader import TPLeader
 
         children = []
         if args.dist_init_addr is None:  # single-machine mode: this process starts the other ranks
@@ -129,13 +124,10 @@ async def _serve(args: argparse.Namespace, security: ServerSecurity) -> int:
                           security=security)
     port = await server.start()
     if args.port_file:
-        _write_port_file(args.port_file, port)
+        write_port_file(args.port_file, port)
     print(f"llmserve worker listening on {server.address}", flush=True)
 
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    stop = stop_signal_event()
     if leader is not None:
         watch = asyncio.ensure_future(_stop_when_group_breaks(leader, args.tp_fault_exit_delay, stop))
     await stop.wait()
@@ -161,20 +153,14 @@ async def _stop_when_group_breaks(leader, delay_s: float, stop: asyncio.Event) -
 
 
 def _tp_secret(args: argparse.Namespace, environ) -> bytes | None:
-    """The group's heartbeat secret: --tp-secret-file, else the pipe a single-machine leader gave this
-    follower (its fd in the environment; the entry is removed once read), else None (tp_worker.py:
-    the leader makes one)."""
+    """The group's heartbeat secret: the pipe a single-machine leader gave this follower, else
+    --tp-secret-file, else None (the leader makes one; worker_svc/server/launch.py)."""
     from worker_svc.parallel.heartbeat import check_secret
-    from worker_svc.server.tp_worker import SECRET_FD_ENV
+    from worker_svc.server.launch import inherited_secret
 
-    inherited = environ.pop(SECRET_FD_ENV, None)
+    inherited = inherited_secret(environ)
     if inherited is not None:
-        try:
-            with os.fdopen(int(inherited), "rb") as pipe:
-                return check_secret(pipe.read())
-        except (OSError, ValueError) as exc:
-            raise ValueError(
-                f"cannot read the tp group secret from the leader's pipe ({SECRET_FD_ENV}): {exc}") from None
+        return inherited
     if args.tp_secret_file:
         try:
             return check_secret(Path(args.tp_secret_file).read_bytes().strip())
@@ -206,7 +192,7 @@ def _native_heap_policy(mmap_threshold: int) -> None:
 
 
 def worker_options(args: argparse.Namespace) -> WorkerOptions:
-    from worker_svc.server.app import WorkerOptions
+    from worker_svc.server.servicer import WorkerOptions
 
     return WorkerOptions(
         served_model_name=args.served_model_name or Path(args.model).resolve().name,
@@ -361,14 +347,14 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     t.add_argument(
         "--tp-timeout",
         type=float,
-        default=15.0,
+        default=TP_SERVING_TIMEOUT_S,
         metavar="S",
         help="a dead or hung rank is detected within this many seconds (heartbeat and collective timeout)",
     )
     t.add_argument(
         "--tp-connect-timeout",
         type=float,
-        default=300.0,
+        default=TP_CONNECT_TIMEOUT_S,
         metavar="S",
         help="how long ranks wait for each other at start-up (rendezvous and model load)",
     )

@@ -63,7 +63,8 @@ def make_model(
     final vocab_size; the weights on the final config and seed.
     """
     check_arch(arch)
-    variants = dict(tie_word_embeddings=tie_word_embeddings, head_dim=head_dim, rope_scaling=rope_scaling)
+    variants: dict[str, Any] = dict(tie_word_embeddings=tie_word_embeddings, head_dim=head_dim,
+                                    rope_scaling=rope_scaling)
     # vocab_size may come from the override, so the tokenizer is trained on the merged config.
     vocab_size = build_config(arch, preset, config_override=config_override, **variants)["vocab_size"]
     tok = train_tokenizer(vocab_size)

@@ -55,7 +55,8 @@ def reference_engine(worker_model) -> Engine:
 @pytest.fixture(scope="module")
 def inproc_worker(worker_model):
     """A WorkerServer on 127.0.0.1 (ephemeral port), run by a background event loop."""
-    from worker_svc.server.app import ServerThread, WorkerOptions, WorkerServer
+    from worker_svc.server.app import ServerThread, WorkerServer
+    from worker_svc.server.servicer import WorkerOptions
 
     engine = Engine(worker_engine_config(worker_model))
     server = WorkerServer(engine, host="127.0.0.1", port=0, options=WorkerOptions(served_model_name="tiny-test"))

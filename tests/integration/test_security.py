@@ -112,7 +112,8 @@ def cluster(tiny, pki, token_files, loop) -> Iterator[SecureCluster]:
     from router.server import RouterOptions, start_router
     from tokenizer_svc.server import start_server
     from worker_svc.engine.engine import Engine
-    from worker_svc.server.app import ServerThread, WorkerOptions, WorkerServer
+    from worker_svc.server.app import ServerThread, WorkerServer
+    from worker_svc.server.servicer import WorkerOptions
 
     internal_server = ServerSecurity(ServerTls.from_files(pki.server_cert, pki.server_key),
                                      TokenTable.from_file(token_files["internal"], "--internal-token-file"))

@@ -250,7 +250,8 @@ def test_dropped_http_client_aborts_on_the_worker(gateway, worker):
 def test_gateway_fetches_the_tokenizer_from_the_worker(model_dir, engine, tokenizer, tmp_path):
     """Without --tokenizer-path, smg 1.13 takes the tokenizer from GetTokenizer when the worker
     advertises a model path the gateway's host does not have (an empty one it cannot use at all)."""
-    from worker_svc.server.app import ServerThread, WorkerOptions, WorkerServer
+    from worker_svc.server.app import ServerThread, WorkerServer
+    from worker_svc.server.servicer import WorkerOptions
 
     server = WorkerServer(
         Engine(worker_engine_config(model_dir, **ENGINE)),

@@ -22,7 +22,8 @@ from smg_grpc_proto import sglang_scheduler_pb2_grpc as pb_grpc
 from tests.integration.conftest import worker_engine_config
 from tests.integration.test_worker_server import TIMEOUT, _collect, _prompt, _request
 from worker_svc.engine.engine import Engine
-from worker_svc.server.app import SERVICE_NAME, ServerThread, WorkerOptions, WorkerServer
+from worker_svc.server.app import ServerThread, WorkerServer
+from worker_svc.server.servicer import SERVICE_NAME, WorkerOptions
 
 GENERATE = f"/{SERVICE_NAME}/Generate"
 ABORT = f"/{SERVICE_NAME}/Abort"

@@ -27,8 +27,9 @@ from tests.integration.conftest import WORKER_ENGINE, worker_engine_config
 from worker_svc.engine.engine import Engine
 from worker_svc.engine.request import FinishReason
 from worker_svc.sampling import SamplingParams
-from worker_svc.server.app import SERVICE_NAME, ServerThread, WorkerServer
-from worker_svc.server.app import convert as grpc_convert
+from worker_svc.server import convert as grpc_convert
+from worker_svc.server.app import ServerThread, WorkerServer
+from worker_svc.server.servicer import SERVICE_NAME
 
 VOCAB = 512  # tiny preset; ids 507.. are special tokens
 POOL = WORKER_ENGINE["max_total_tokens"]

@@ -12,8 +12,8 @@ import math
 import pytest
 import torch
 
+from llmserve.worker_protocol import MAX_TOP_LOGPROBS
 from worker_svc.sampling import (
-    MAX_TOP_LOGPROBS,
     Sampler,
     SamplingBatch,
     SamplingParamError,

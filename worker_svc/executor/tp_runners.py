@@ -1,7 +1,7 @@
 """The tensor-parallel step runners: the leader's ``LeaderRunner`` broadcasts each step before running
 it; a follower's ``FollowerLoop`` receives and runs steps until the leader sends STOP. Also the
 ``torch.multiprocessing`` follower spawner that bench-one-batch and the unit tests use (the serving
-worker starts its followers as processes: worker_svc/server/tp_worker.py)."""
+worker starts its followers as processes: worker_svc/server/launch.py)."""
 
 from __future__ import annotations
 
@@ -15,12 +15,13 @@ import torch.multiprocessing as mp
 
 from worker_svc.config.engine_config import EngineConfig
 from worker_svc.config.model_config import ModelConfig
+from worker_svc.config.tp_timeouts import TP_UNWATCHED_TIMEOUT_S
 from worker_svc.executor.model_runner import ModelRunner
 from worker_svc.executor.step_runner import StepRunner
 from worker_svc.forward_batch import FatalStepError, StepInput
 from worker_svc.kvcache import KVCache
 from worker_svc.parallel.context import TPContext
-from worker_svc.parallel.group import DEFAULT_TIMEOUT_S, destroy_tp, init_tp, rank_device
+from worker_svc.parallel.group import destroy_tp, init_tp, rank_device
 from worker_svc.parallel.step_broadcast import broadcast_keepalive, broadcast_step, receive_step
 
 _T = TypeVar("_T")
@@ -134,7 +135,7 @@ def run_follower(
     this rank's runner and replay the leader's steps until STOP. Returns the steps run per config."""
     if threads:
         torch.set_num_threads(threads)
-    tp = init_tp(rank, size, init_addr, engine_configs[0].device, timeout_s or DEFAULT_TIMEOUT_S)
+    tp = init_tp(rank, size, init_addr, engine_configs[0].device, timeout_s or TP_UNWATCHED_TIMEOUT_S)
     steps = []
     try:
         for engine_config in engine_configs:

@@ -13,19 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker_svc.config.model_config import DeepseekV2Fields
-from worker_svc.layers.activation import silu_and_mul
-from worker_svc.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+from worker_svc.layers.mlp import GatedMLP
 from worker_svc.parallel.context import TPContext
-
-
-class GatedMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, tp: TPContext) -> None:
-        super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, False, tp)
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, False, tp)
-
-    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)), reduce=reduce)
 
 
 class TopKRouter(nn.Module):
@@ -41,12 +30,14 @@ class TopKRouter(nn.Module):
         f = self.fields
         scores = F.linear(x.float(), self.weight.float()).softmax(dim=-1)  # [tokens, experts]
         if f.topk_method == "group_limited_greedy":
+            n_group, topk_group = f.n_group, f.topk_group
+            assert n_group is not None and topk_group is not None  # the config requires both for this method
             # Keep only the topk_group groups with the best single expert, then top-k among them.
-            grouped = scores.view(-1, f.n_group, f.n_routed_experts // f.n_group)
-            best_groups = grouped.max(dim=-1).values.topk(f.topk_group, dim=-1, sorted=False).indices
-            keep = torch.zeros(scores.shape[0], f.n_group, dtype=torch.bool, device=x.device)
+            grouped = scores.view(-1, n_group, f.n_routed_experts // n_group)  # [tokens, groups, experts/group]
+            best_groups = grouped.max(dim=-1).values.topk(topk_group, dim=-1, sorted=False).indices
+            keep = torch.zeros(scores.shape[0], n_group, dtype=torch.bool, device=x.device)
             keep.scatter_(1, best_groups, True)
-            scores = (grouped * keep.unsqueeze(-1)).view(-1, f.n_routed_experts)
+            scores = (grouped * keep.unsqueeze(-1)).view(-1, f.n_routed_experts)  # [tokens, experts]
         weights, ids = scores.topk(f.num_experts_per_tok, dim=-1, sorted=False)
         if f.norm_topk_prob and f.num_experts_per_tok > 1:
             # sglang's semantics (renormalise, then scale). transformers 5 ignores norm_topk_prob.
@@ -69,6 +60,7 @@ class DeepseekMoE(nn.Module):
         )
 
     def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        """x [tokens, hidden] -> routed + shared output; with ``reduce=False`` this rank's partial sum."""
         weights, ids = self.gate(x)
         flat_ids = ids.flatten()
         order = torch.argsort(flat_ids, stable=True)  # (token, choice) pairs grouped by expert

@@ -36,7 +36,7 @@ class RMSNorm(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._fused(x):
+        if self.cpu_ops is not None and self._fused(x):
             return self.cpu_ops.rms_norm(x, self.weight, self.eps)
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)  # fused; same math as HF's
         return self.weight * normed.to(x.dtype)
@@ -44,7 +44,8 @@ class RMSNorm(nn.Module):
     def forward_with_residual(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """residual += x; return (norm(residual) in x's dtype, residual in float32). ``residual`` may
         come in as x's dtype (the embedding, before the first layer) or float32."""
-        if self._fused(x) and residual.is_contiguous() and residual.dtype in (x.dtype, torch.float32):
+        if (self.cpu_ops is not None and self._fused(x) and residual.is_contiguous()
+                and residual.dtype in (x.dtype, torch.float32)):
             return self.cpu_ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
         residual = residual.float() + x.float()
         normed = F.rms_norm(residual, (x.shape[-1],), eps=self.eps)

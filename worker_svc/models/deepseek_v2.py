@@ -1,5 +1,7 @@
 """DeepSeek-V2 / V2-Lite for the worker: multi-head latent attention (MLA), DeepSeek MoE, YaRN rotary.
 
+Only what is DeepSeek's own lives here: MLA, and dense MLPs in the first ``first_k_dense_replace`` layers,
+MoE (routed + shared experts) after; the layer, model and LM skeleton is models/decoder.py.
 HF parameter names (per-expert checkpoint names; gate/up fused at load time through
 ``stacked_params``). No KV cache or process-group code lives here: attention goes through the step's
 MLA backend (which owns the latent pool), collectives through the parallel layers.
@@ -13,14 +15,13 @@ from torch import nn
 from worker_svc.attention.base import MLAAttentionLayer
 from worker_svc.config.model_config import ModelConfig
 from worker_svc.forward_batch import ForwardBatch
-from worker_svc.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from worker_svc.layers.linear import ColumnParallelLinear, KernelLinear, RowParallelLinear
-from worker_svc.layers.moe import DeepseekMoE, GatedMLP
+from worker_svc.layers.mlp import GatedMLP
+from worker_svc.layers.moe import DeepseekMoE
 from worker_svc.layers.norm import RMSNorm
 from worker_svc.layers.rotary import RotaryEmbedding, apply_rotary_interleaved, softmax_scale_factor
+from worker_svc.models.decoder import CausalLM, DecoderLayer, DecoderModel, Rope, StackedParams
 from worker_svc.parallel.context import TPContext
-
-Rope = tuple[torch.Tensor, torch.Tensor]
 
 
 class DeepseekV2Attention(nn.Module):
@@ -52,6 +53,7 @@ class DeepseekV2Attention(nn.Module):
         )
 
     def forward(self, rope: Rope, x: torch.Tensor, batch: ForwardBatch, reduce: bool = True) -> torch.Tensor:
+        """x [tokens, hidden] -> [tokens, hidden]; with ``reduce=False`` this rank's partial sum."""
         q = self.q_proj(x) if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q = q.view(-1, self.num_heads, self.nope + self.rope_dim)  # [tokens, heads, qk_head]
         q_nope, q_pe = q.split([self.nope, self.rope_dim], dim=-1)
@@ -62,73 +64,29 @@ class DeepseekV2Attention(nn.Module):
         return self.o_proj(out, reduce=reduce)
 
 
-class DeepseekV2DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, tp: TPContext) -> None:
-        super().__init__()
-        f = config.deepseek
-        assert f is not None
-        self.self_attn = DeepseekV2Attention(config, layer_id, tp)
-        if layer_id < f.first_k_dense_replace:
-            self.mlp: nn.Module = GatedMLP(config.hidden_size, config.intermediate_size, tp)
-        else:
-            self.mlp = DeepseekMoE(config.hidden_size, f, tp)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(
-        self, rope: Rope, hidden: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm.forward_with_residual(hidden, residual)
-        hidden = self.self_attn(rope, hidden, batch)
-        hidden, residual = self.post_attention_layernorm.forward_with_residual(hidden, residual)
-        return self.mlp(hidden), residual
+def _layer(config: ModelConfig, layer_id: int, tp: TPContext) -> DecoderLayer:
+    f = config.deepseek
+    assert f is not None
+    attention = DeepseekV2Attention(config, layer_id, tp)
+    mlp: nn.Module
+    if layer_id < f.first_k_dense_replace:
+        mlp = GatedMLP(config.hidden_size, config.intermediate_size, tp)
+    else:
+        mlp = DeepseekMoE(config.hidden_size, f, tp)  # its partial sum is routed + shared, reduced once
+    return DecoderLayer(config, attention, mlp, tp)
 
 
-class DeepseekV2Model(nn.Module):
-    def __init__(self, config: ModelConfig, tp: TPContext) -> None:
-        super().__init__()
-        f = config.deepseek
-        assert f is not None
-        self.rotary = RotaryEmbedding(config.rope, f.qk_rope_head_dim, config.max_position_embeddings, interleaved=True)
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
-        self.layers = nn.ModuleList(DeepseekV2DecoderLayer(config, i, tp) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        hidden = self.embed_tokens(batch.input_ids)  # [tokens, hidden]
-        rope = self.rotary.lookup(batch.positions, hidden.dtype)
-        residual = None
-        for layer in self.layers:
-            hidden, residual = layer(rope, hidden, residual, batch)
-        hidden, _ = self.norm.forward_with_residual(hidden, residual)
-        return hidden
-
-
-class DeepseekV2ForCausalLM(nn.Module):
+class DeepseekV2ForCausalLM(CausalLM):
     # (fused parameter, checkpoint name fragment, shard id): dense MLP, routed and shared experts.
-    stacked_params = (
+    stacked_params: StackedParams = (
         ("gate_up_proj", "gate_proj", 0),
         ("gate_up_proj", "up_proj", 1),
     )
 
     def __init__(self, config: ModelConfig, tp: TPContext) -> None:
-        super().__init__()
         if config.deepseek is None:
             raise ValueError("DeepseekV2ForCausalLM needs the DeepSeek fields of config.json")
-        self.config = config
-        self.model = DeepseekV2Model(config, tp)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
-        self.tie_weights()
-
-    def tie_weights(self) -> None:
-        if self.config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """float32 logits [batch, vocab] at each request's final token ([tokens, vocab] with all_logits)."""
-        hidden = self.model(batch)
-        return self.lm_head.logits(hidden[batch.logit_indices()])
+        rope_dim = config.deepseek.qk_rope_head_dim
+        rotary = RotaryEmbedding(config.rope, rope_dim, config.max_position_embeddings, interleaved=True)
+        layers = (_layer(config, i, tp) for i in range(config.num_hidden_layers))
+        super().__init__(config, DecoderModel(config, rotary, layers, tp), tp)

@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
-from torch import nn
+from collections.abc import Callable
 
-from worker_svc.config.model_config import SUPPORTED_ARCHITECTURES, ConfigError
+from worker_svc.config.model_config import SUPPORTED_ARCHITECTURES, ConfigError, ModelConfig
+from worker_svc.models.decoder import CausalLM
 from worker_svc.models.deepseek_v2 import DeepseekV2ForCausalLM
 from worker_svc.models.llama import LlamaForCausalLM
+from worker_svc.parallel.context import TPContext
 
-_MODELS: dict[str, type[nn.Module]] = {
+ModelClass = Callable[[ModelConfig, TPContext], CausalLM]
+
+_MODELS: dict[str, ModelClass] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
 }
 
 
-def model_class(architecture: str) -> type[nn.Module]:
+def model_class(architecture: str) -> ModelClass:
     try:
         return _MODELS[architecture]
     except KeyError:

@@ -23,10 +23,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from worker_svc.config.tp_timeouts import TP_CONNECT_TIMEOUT_S, TP_UNWATCHED_TIMEOUT_S
 from worker_svc.parallel.context import TPContext
-
-DEFAULT_TIMEOUT_S = 600.0
-DEFAULT_CONNECT_TIMEOUT_S = 300.0
 
 
 def backend_for(device: str | torch.device) -> str:
@@ -52,13 +50,13 @@ def init_tp(
     size: int,
     init_addr: str,
     device: str | torch.device = "cpu",
-    timeout_s: float = DEFAULT_TIMEOUT_S,
+    timeout_s: float = TP_UNWATCHED_TIMEOUT_S,
     connect_timeout_s: float | None = None,
 ) -> TPContext:
     """Join the ``size``-rank group whose rank 0 listens on ``init_addr`` ("host:port").
 
     The rendezvous waits up to ``connect_timeout_s`` (default: the larger of ``timeout_s`` and
-    DEFAULT_CONNECT_TIMEOUT_S) for every rank; every collective then fails after ``timeout_s``.
+    TP_CONNECT_TIMEOUT_S) for every rank; every collective then fails after ``timeout_s``.
     """
     if size == 1:
         return TPContext()
@@ -75,7 +73,7 @@ def init_tp(
         dev = rank_device(device, rank)
         torch.cuda.set_device(dev)
         kwargs["device_id"] = dev
-    connect = timedelta(seconds=connect_timeout_s or max(timeout_s, DEFAULT_CONNECT_TIMEOUT_S))
+    connect = timedelta(seconds=connect_timeout_s or max(timeout_s, TP_CONNECT_TIMEOUT_S))
     store = open_store(host, int(port), size, rank == 0, connect)
     # Every rank has arrived before the group (whose own timeout may be short) connects.
     _store_barrier(store, "join", rank, size, connect)
@@ -132,7 +130,7 @@ def _store_barrier(store, name: str, rank: int, size: int, timeout: timedelta) -
     store.wait([f"llmserve/{name}/{r}" for r in range(size)], timeout)
 
 
-def tp_barrier(tp: TPContext, name: str, timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S) -> None:
+def tp_barrier(tp: TPContext, name: str, timeout_s: float = TP_CONNECT_TIMEOUT_S) -> None:
     """Wait (through the rendezvous store, not a collective) until every rank reached ``name``; used
     after loading, which takes longer than the collective timeout may allow. ``name`` must be unique."""
     if tp.size > 1:

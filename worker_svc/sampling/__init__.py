@@ -2,7 +2,6 @@
 
 from worker_svc.sampling.params import (
     GREEDY_TEMPERATURE_EPS,
-    MAX_TOP_LOGPROBS,
     SamplingParamError,
     SamplingParams,
 )
@@ -10,7 +9,6 @@ from worker_svc.sampling.sampler import SampleOutput, Sampler, SamplingBatch, ma
 
 __all__ = [
     "GREEDY_TEMPERATURE_EPS",
-    "MAX_TOP_LOGPROBS",
     "SampleOutput",
     "Sampler",
     "SamplingBatch",

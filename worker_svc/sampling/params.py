@@ -19,9 +19,9 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Any
 
-# Largest number of alternatives a request may ask for per position (OpenAI's API allows 20).
-MAX_TOP_LOGPROBS = 20
+from llmserve.worker_protocol import MAX_ABS_PENALTY, MAX_TOP_LOGPROBS
 
 # Below this, logits / temperature can overflow float32; sglang routes such rows to argmax too.
 GREEDY_TEMPERATURE_EPS = 1e-5
@@ -84,7 +84,7 @@ class SamplingParams:
         ``validate`` still rejects what is wrong. ``stop_token_ids`` is coerced to a tuple (a
         repeated proto field arrives as a list-like container).
         """
-        changes: dict[str, object] = {}
+        changes: dict[str, Any] = {}
         if self.top_p == 0:
             changes["top_p"] = 1.0
         if self.top_k == 0:
@@ -128,13 +128,14 @@ class SamplingParams:
             raise SamplingParamError(
                 "repetition_penalty", f"must be finite and > 0, got {self.repetition_penalty}"
             )
-        if not -2 <= self.frequency_penalty <= 2:
+        penalties = f"[{-MAX_ABS_PENALTY:g}, {MAX_ABS_PENALTY:g}]"
+        if not -MAX_ABS_PENALTY <= self.frequency_penalty <= MAX_ABS_PENALTY:
             raise SamplingParamError(
-                "frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}"
+                "frequency_penalty", f"must be in {penalties}, got {self.frequency_penalty}"
             )
-        if not -2 <= self.presence_penalty <= 2:
+        if not -MAX_ABS_PENALTY <= self.presence_penalty <= MAX_ABS_PENALTY:
             raise SamplingParamError(
-                "presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}"
+                "presence_penalty", f"must be in {penalties}, got {self.presence_penalty}"
             )
         for tok in self.stop_token_ids:
             if not 0 <= tok < vocab_size:

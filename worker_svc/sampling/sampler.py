@@ -395,6 +395,7 @@ class Sampler:
         processed = x  # [B, V]
 
         if S == 0:
+            assert greedy_ids is not None
             next_ids = greedy_ids
         else:
             xs = processed if S == B else processed[batch.sample_idx]  # [S, V]
@@ -402,6 +403,7 @@ class Sampler:
             if S == B:
                 next_ids = sampled_ids
             else:
+                assert greedy_ids is not None
                 next_ids = torch.empty(B, dtype=torch.long, device=x.device)
                 next_ids[batch.greedy_idx] = greedy_ids
                 next_ids[batch.sample_idx] = sampled_ids
@@ -418,11 +420,12 @@ class Sampler:
 
     @staticmethod
     def _apply_penalties(x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        if batch.repetition_penalty is not None:
+        if batch.repetition_penalty is not None and batch.seen_mask is not None:  # set together
             rp = batch.repetition_penalty  # [B, 1]
             penalized = torch.where(x > 0, x / rp, x * rp)
             x = torch.where(batch.seen_mask, penalized, x)
-        if batch.output_counts is not None:
+        if (batch.output_counts is not None and batch.frequency_penalty is not None
+                and batch.presence_penalty is not None):  # set together
             counts = batch.output_counts  # [B, V]
             x = x - batch.frequency_penalty * counts - batch.presence_penalty * (counts > 0)
         return x

@@ -1,1 +1,2 @@
-"""The worker's process edge: the SglangScheduler servicer, proto conversion, TP leader/follower roles."""
+"""The worker's process edge: the gRPC server (app), the SglangScheduler servicer, health, proto
+conversion, the TP leader and follower roles and their launch."""

@@ -9,8 +9,8 @@ a call is cancelled and at once resubmitted while the engine thread has yet to d
 Abort reaches calls by label only (F4):
 
 * ``<request_id>``: every sample of every call in flight under that id;
-* ``<request_id>-n<i>`` (calls with n > 1): sample ``i`` of those calls (the router aborts one
-  sample whose stop string matched).
+* ``<request_id>-n<i>`` (calls with n > 1, ``sample_label`` in llmserve/worker_protocol.py): sample ``i``
+  of those calls (the router aborts one sample whose stop string matched).
 
 A minted engine id is never a label, so knowing or guessing one reaches nothing. Labels are the
 callers' namespace: two callers that pick the same request_id can abort each other's calls. The
@@ -31,15 +31,12 @@ import time
 
 import structlog
 
+from llmserve.worker_protocol import sample_label
 from worker_svc.engine.engine_loop import EngineLoop
 from worker_svc.engine.request import FinishReason, StepOutput
 from worker_svc.server.convert import SampleState
 
 log = structlog.get_logger(__name__)
-
-
-def sample_label(request_id: str, index: int) -> str:
-    return f"{request_id}-n{index}"
 
 
 class GenerateCall:
