@@ -19,6 +19,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Protocol
 
 import torch
@@ -58,9 +59,13 @@ class CollectiveObserver(Protocol):
 class WorkHandle(Protocol):
     """What ``torch.distributed`` returns for ``async_op=True`` (its ``Work``), as far as we use it."""
 
-    def wait(self) -> object: ...
+    def wait(self, timeout: timedelta = ...) -> bool: ...
 
     def is_completed(self) -> bool: ...
+
+
+# torch's Work.wait default: 0 means "the process group's own timeout".
+_PROCESS_GROUP_TIMEOUT = timedelta(0)
 
 
 def describe(tensor: torch.Tensor) -> tuple[int, tuple[int, ...], torch.dtype]:
@@ -81,9 +86,9 @@ class ObservedWork:
         self._issue_ns = issue_ns
         self._recorded = False
 
-    def wait(self) -> object:
+    def wait(self, timeout: timedelta = _PROCESS_GROUP_TIMEOUT) -> bool:
         wait_ns = time.perf_counter_ns()
-        result = self._work.wait()
+        result = self._work.wait(timeout)
         done_ns = time.perf_counter_ns()
         if not self._recorded:
             self._recorded = True
