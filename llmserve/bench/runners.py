@@ -9,13 +9,15 @@ from contextlib import contextmanager
 from typing import Any
 
 from worker_svc.config.engine_config import EngineConfig
+from worker_svc.parallel.collective_observer import CollectiveObserver
 
 
 @contextmanager
 def open_runner(engine: EngineConfig, tp: int = 1, tp_init_addr: str | None = None,
-                threads: int | None = None) -> Iterator[Any]:
+                threads: int | None = None, observer: CollectiveObserver | None = None) -> Iterator[Any]:
     """Yields a ModelRunner (tp == 1) or a LeaderRunner over rank 0 of ``tp`` ranks; stops and joins
-    the followers and destroys the group on exit."""
+    the followers and destroys the group on exit. ``observer`` sees the leader's collectives (a single
+    rank has none)."""
     from worker_svc.executor.model_runner import ModelRunner
 
     if tp < 1:
@@ -28,7 +30,7 @@ def open_runner(engine: EngineConfig, tp: int = 1, tp_init_addr: str | None = No
 
     addr = tp_init_addr or f"127.0.0.1:{free_port()}"
     followers = spawn_followers(tp, addr, [engine], threads=threads)
-    group = init_tp(0, tp, addr, engine.device)
+    group = init_tp(0, tp, addr, engine.device, observer=observer)
     leader_failed = False
     try:
         engine = dataclasses.replace(engine, device=str(rank_device(engine.device, 0)))
