@@ -47,8 +47,8 @@ log = structlog.get_logger(__name__)
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
-def _tp_layout(args: argparse.Namespace) -> tuple[int, int, str | None]:
-    """(size, rank, init address); single-machine ``--tp N`` picks a loopback address."""
+def _tp_layout(args: argparse.Namespace) -> tuple[int, int, str]:
+    """(size, rank, init address: "" at TP=1); single-machine ``--tp N`` picks a loopback address."""
     size = args.tp_size or 1
     if size < 1:
         raise ValueError("--tp must be at least 1")
@@ -60,7 +60,7 @@ def _tp_layout(args: argparse.Namespace) -> tuple[int, int, str | None]:
         from worker_svc.parallel.group import free_port
 
         return size, 0, f"127.0.0.1:{free_port()}"
-    return size, args.tp_rank, args.dist_init_addr
+    return size, args.tp_rank, args.dist_init_addr or ""
 
 
 async def _serve(args: argparse.Namespace, security: ServerSecurity) -> int:

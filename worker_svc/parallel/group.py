@@ -71,17 +71,16 @@ def init_tp(
     if not host or not port.isdigit():
         raise ValueError(f"init address must be host:port, got {init_addr!r}")
     backend = backend_for(device)
-    kwargs = {}
+    device_id = None
     if backend == "nccl":
-        dev = rank_device(device, rank)
-        torch.cuda.set_device(dev)
-        kwargs["device_id"] = dev
+        device_id = rank_device(device, rank)
+        torch.cuda.set_device(device_id)
     connect = timedelta(seconds=connect_timeout_s or max(timeout_s, TP_CONNECT_TIMEOUT_S))
     store = open_store(host, int(port), size, rank == 0, connect)
     # Every rank has arrived before the group (whose own timeout may be short) connects.
     _store_barrier(store, "join", rank, size, connect)
     dist.init_process_group(
-        backend, store=store, rank=rank, world_size=size, timeout=timedelta(seconds=timeout_s), **kwargs
+        backend, store=store, rank=rank, world_size=size, timeout=timedelta(seconds=timeout_s), device_id=device_id
     )
     return TPContext(rank=rank, size=size, group=dist.group.WORLD, store=store, observer=observer)
 
