@@ -207,12 +207,13 @@ class _Run:
     def interrupt(self, reason: str) -> None:
         """End the attempt now (router shutdown): the open sequences finish with reason "abort"."""
         self.interrupt_reason = reason
-        if self._armed and not self._idle.expired():
+        if self._armed and self._idle is not None and not self._idle.expired():
             self._arm()
 
     # The idle timeout runs only while the attempt waits on the worker: time spent on the
     # tokenizer or on the client's side of the stream is not the worker's silence.
     def _arm(self) -> None:
+        assert self._idle is not None, "armed only inside the relay's timeout block"
         loop = asyncio.get_running_loop()
         when = loop.time() if self.interrupt_reason else loop.time() + self.router.options.stream_timeout
         self._idle.reschedule(when)
@@ -220,7 +221,7 @@ class _Run:
 
     def _disarm(self) -> None:
         self._armed = False
-        if not self._idle.expired():  # expired: the TimeoutError is on its way
+        if self._idle is not None and not self._idle.expired():  # expired: the TimeoutError is on its way
             self._idle.reschedule(None)
 
     async def _feed(self, s: _Seq, ids: list[int], final: bool, drop_last: int | None = None) -> str:
@@ -812,6 +813,7 @@ class RouterServicer:
             facts = self._require_facts()
             validate_model(request.model, facts)
             tok = self.tok_info
+            assert tok is not None  # _require_facts: the tokenizer answered GetInfo
             resp = pb.GetModelInfoResponse(
                 model=facts.name,
                 vocab_size=facts.vocab_size,

@@ -11,6 +11,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 import grpc
 from grpc_health.v1 import health_pb2_grpc
@@ -47,7 +48,7 @@ def _request_id(context: grpc.aio.ServicerContext) -> str:
     return metadata_value(context, REQUEST_ID_HEADER)
 
 
-async def _abort_invalid(context: grpc.aio.ServicerContext, error: TokenizerInputError) -> None:
+async def _abort_invalid(context: grpc.aio.ServicerContext, error: TokenizerInputError) -> NoReturn:
     code = (grpc.StatusCode.FAILED_PRECONDITION if isinstance(error, NoChatTemplateError)
             else grpc.StatusCode.INVALID_ARGUMENT)
     log.info("rejected", rpc_error=str(error), code=code.name)

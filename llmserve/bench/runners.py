@@ -9,16 +9,18 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 from worker_svc.config.engine_config import EngineConfig
+from worker_svc.parallel.collective_observer import CollectiveObserver
 
-if TYPE_CHECKING:  # torch is imported when a runner is opened, not when the CLI parses arguments
+if TYPE_CHECKING:  # the executor (and the model stack) is imported when a runner is opened
     from worker_svc.executor.step_runner import StepRunner
 
 
 @contextmanager
 def open_runner(engine_config: EngineConfig, tp: int = 1, tp_init_addr: str | None = None,
-                threads: int | None = None) -> Iterator[StepRunner]:
+                threads: int | None = None, observer: CollectiveObserver | None = None) -> Iterator[StepRunner]:
     """Yields a ModelRunner (tp == 1) or a LeaderRunner over rank 0 of ``tp`` ranks; stops and joins
-    the followers and destroys the group on exit."""
+    the followers and destroys the group on exit. ``observer`` sees the leader's collectives (a single
+    rank has none)."""
     from worker_svc.executor.model_runner import ModelRunner
 
     if tp < 1:
@@ -31,7 +33,7 @@ def open_runner(engine_config: EngineConfig, tp: int = 1, tp_init_addr: str | No
 
     addr = tp_init_addr or f"127.0.0.1:{free_port()}"
     followers = spawn_followers(tp, addr, [engine_config], threads=threads)
-    group = init_tp(0, tp, addr, engine_config.device)
+    group = init_tp(0, tp, addr, engine_config.device, observer=observer)
     leader_failed = False
     try:
         engine_config = dataclasses.replace(engine_config, device=str(rank_device(engine_config.device, 0)))

@@ -15,6 +15,7 @@ from llmserve.commands.engine_args import add_engine_args, engine_config_from_ar
 
 if TYPE_CHECKING:  # torch is imported when the command runs, not when the CLI parses arguments
     from worker_svc.executor.model_runner import ModelRunner
+    from worker_svc.parallel.collective_observer import CollectiveRecorder
 
 # The three prompts of sglang's bench_one_batch --correct.
 DEFAULT_PROMPTS = (
@@ -52,72 +53,38 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from llmserve.bench.runners import open_runner
+    from worker_svc.parallel.collective_observer import CollectiveRecorder
 
     if args.threads:
         torch.set_num_threads(args.threads)
     engine = engine_config_from_args(args)
     if args.tp < 1:
         raise SystemExit("--tp must be at least 1")
-    with open_runner(engine, args.tp, args.tp_init_addr, args.threads) as runner:
-        if args.profile_collectives and args.tp > 1:
-            runner.collective_profiler = CollectiveProfiler(runner)
-        return correctness(runner, args) if args.correct else latency(runner, args)
+    # A single rank performs no collectives: nothing to profile.
+    profiler = CollectiveProfiler(CollectiveRecorder()) if args.profile_collectives and args.tp > 1 else None
+    observer = profiler.recorder if profiler is not None else None
+    with open_runner(engine, args.tp, args.tp_init_addr, args.threads, observer=observer) as runner:
+        return correctness(runner, args) if args.correct else latency(runner, args, profiler)
 
 
 class CollectiveProfiler:
-    """Times the leader's collectives: ``TPContext.all_reduce`` / ``all_gather_last_dim`` (wrapped on
-    the layers' context object) and the step broadcast (the LeaderRunner's forward minus the wrapped
-    runner's). Synchronous collectives only: the time is the call's wall time."""
+    """The leader's collectives per step (all-reduce, all-gather, step broadcast), read from the
+    recorder that observes its TPContext. Times are issue to done (every collective of a step is
+    synchronous today, so that is the time the step spent in it)."""
 
-    def __init__(self, leader) -> None:
-        self.totals: dict[str, float] = {}
-        self.counts: dict[str, int] = {}
-        tp = leader.tp
-        for name, label in (("all_reduce", "all_reduce"), ("all_gather_last_dim", "all_gather")):
-            object.__setattr__(tp, name, self._timed(getattr(tp, name), label))  # TPContext is frozen
-        inner = leader.runner
-        inner_forward = inner.forward
-        outer_forward = leader.forward
-        local = {"t": 0.0}
-
-        def timed_inner(step):
-            tick = time.perf_counter()
-            try:
-                return inner_forward(step)
-            finally:
-                local["t"] = time.perf_counter() - tick
-
-        def timed_outer(step):
-            tick = time.perf_counter()
-            out = outer_forward(step)
-            self._add("broadcast", time.perf_counter() - tick - local["t"], 2)
-            return out
-
-        inner.forward = timed_inner
-        leader.forward = timed_outer
-
-    def _add(self, label: str, seconds: float, calls: int = 1) -> None:
-        self.totals[label] = self.totals.get(label, 0.0) + seconds
-        self.counts[label] = self.counts.get(label, 0) + calls
-
-    def _timed(self, fn, label: str):
-        def timed(*args, **kwargs):
-            tick = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self._add(label, time.perf_counter() - tick)
-
-        return timed
+    def __init__(self, recorder: CollectiveRecorder) -> None:
+        self.recorder = recorder
 
     def reset(self) -> None:
-        self.totals.clear()
-        self.counts.clear()
+        self.recorder.clear()
 
     def per_step(self, steps: int) -> dict:
-        """{label: {"calls": per step, "ms": per step}} plus the total over all labels."""
-        out = {k: {"calls": self.counts[k] / steps, "ms": 1e3 * self.totals[k] / steps} for k in self.totals}
-        out["total"] = {"calls": sum(v["calls"] for v in out.values()), "ms": sum(v["ms"] for v in out.values())}
+        """{op: {"calls", "ms", "bytes"} per step} plus the total over all ops."""
+        out = {
+            op: {"calls": s.count / steps, "ms": s.total_ns / 1e6 / steps, "bytes": s.nbytes / steps}
+            for op, s in self.recorder.summary().items()
+        }
+        out["total"] = {key: sum(v[key] for v in out.values()) for key in ("calls", "ms", "bytes")}
         return out
 
 
@@ -172,7 +139,8 @@ def correctness(runner: ModelRunner, args: argparse.Namespace) -> int:
 # ---- latency --------------------------------------------------------------------------------------
 
 
-def _timed_run(runner: ModelRunner, batch_size: int, input_len: int, output_len: int, quiet: bool) -> dict:
+def _timed_run(runner: ModelRunner, batch_size: int, input_len: int, output_len: int, quiet: bool,
+               profiler: CollectiveProfiler | None = None) -> dict:
     import torch
 
     from llmserve.bench.driver import StaticBatch
@@ -180,7 +148,6 @@ def _timed_run(runner: ModelRunner, batch_size: int, input_len: int, output_len:
     generator = torch.Generator().manual_seed(0)
     vocab = runner.model_config.vocab_size
     prompts = torch.randint(0, vocab, (batch_size, input_len), generator=generator).tolist()
-    profiler = getattr(runner, "collective_profiler", None)
     comm: dict = {}
     batch = StaticBatch(runner, batch_size)
     try:
@@ -228,14 +195,15 @@ def _timed_run(runner: ModelRunner, batch_size: int, input_len: int, output_len:
     }
 
 
-def latency(runner: ModelRunner, args: argparse.Namespace) -> int:
+def latency(runner: ModelRunner, args: argparse.Namespace, profiler: CollectiveProfiler | None = None) -> int:
     hf = None
     if args.compare_hf:
         from llmserve.bench.hf_generate import HFGenerateTimer
 
         hf = HFGenerateTimer(args.model, runner.dtype)
     print("Warmup ...")
-    _timed_run(runner, args.batch_size[0], args.input_len[0], min(4, args.output_len[0]), quiet=False)
+    _timed_run(runner, args.batch_size[0], args.input_len[0], min(4, args.output_len[0]), quiet=False,
+               profiler=profiler)
     print("Benchmark ...")
     results = []
     for bs in args.batch_size:
@@ -245,7 +213,7 @@ def latency(runner: ModelRunner, args: argparse.Namespace) -> int:
                     print(f"skip bs={bs} input={il} output={ol}: exceeds the KV pool", file=sys.stderr)
                     continue
                 for _ in range(args.repeats):
-                    result = _timed_run(runner, bs, il, ol, quiet=False)
+                    result = _timed_run(runner, bs, il, ol, quiet=False, profiler=profiler)
                     if hf is not None:
                         hf_step = hf.decode_step_latency(bs, il, ol)
                         result["hf_median_decode_latency"] = hf_step

@@ -112,8 +112,8 @@ def _demo(router: str, args: argparse.Namespace, security: ServeSecurity = Serve
         print(f"llmserve serve: demo: {args.demo_prompt!r} ->", flush=True)
     try:
         client_security = security.client
-        with RouterClient(router, tls=client_security and client_security.tls,
-                          token=client_security and client_security.token) as client:
+        with RouterClient(router, tls=client_security.tls if client_security else None,
+                          token=client_security.token if client_security else None) as client:
             if args.demo_chat is not None:
                 stream = client.chat([("user", args.demo_chat)], **sampling)
             else:
@@ -230,12 +230,12 @@ def _run_cluster(args: argparse.Namespace, model: Path, log_dir: Path, stop: thr
         assert router is not None
         address = grpc_address(connect, router.address_port)
         print(f"llmserve serve: ready in {time.monotonic() - t0:.1f}s", flush=True)
-        print(f"  router     {address}  (llmserve.v1.Router, grpc.health.v1, reflection; pid {router.proc.pid})")
+        print(f"  router     {address}  (llmserve.v1.Router, grpc.health.v1, reflection; pid {router.pid})")
         for i, w in enumerate(workers):
             print(f"  worker {i}   {grpc_address(connect, w.address_port)}  (sglang.grpc.scheduler.SglangScheduler; "
-                  f"pid {w.proc.pid})")
+                  f"pid {w.pid})")
         print(f"  tokenizer  {grpc_address(connect, tokenizer.address_port)}  "
-              f"(llmserve.v1.Tokenizer; pid {tokenizer.proc.pid})")
+              f"(llmserve.v1.Tokenizer; pid {tokenizer.pid})")
         flags = "".join(f" {a}" for a in security.client_argv())
         print(f'  try:  llmserve generate --router {address}{flags} "Once upon a time" --max-new-tokens 32')
         print(f"        llmserve chat --router {address}{flags}")

@@ -25,6 +25,8 @@ import argparse
 import asyncio
 import os
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -45,8 +47,8 @@ log = structlog.get_logger(__name__)
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
-def _tp_layout(args: argparse.Namespace) -> tuple[int, int, str | None]:
-    """(size, rank, init address); single-machine ``--tp N`` picks a loopback address."""
+def _tp_layout(args: argparse.Namespace) -> tuple[int, int, str]:
+    """(size, rank, init address: "" at TP=1); single-machine ``--tp N`` picks a loopback address."""
     size = args.tp_size or 1
     if size < 1:
         raise ValueError("--tp must be at least 1")
@@ -58,12 +60,13 @@ def _tp_layout(args: argparse.Namespace) -> tuple[int, int, str | None]:
         from worker_svc.parallel.group import free_port
 
         return size, 0, f"127.0.0.1:{free_port()}"
-    return size, args.tp_rank, args.dist_init_addr
+    return size, args.tp_rank, args.dist_init_addr or ""
 
 
 async def _serve(args: argparse.Namespace, security: ServerSecurity) -> int:
     from llmserve.grpc_server import stop_signal_event, write_port_file
     from worker_svc.engine.engine import Engine
+    from worker_svc.engine.engine_loop import EngineLoop
     from worker_svc.server.app import WorkerServer
 
     _native_heap_policy(args.malloc_mmap_threshold)
@@ -84,7 +87,7 @@ async def _serve(args: argparse.Namespace, security: ServerSecurity) -> int:
         )
 
     leader = None
-    engine_loop = None
+    before_step = _step_delay(args.debug_step_delay) if args.debug_step_delay else None
     if size > 1:
         from llmserve import parent_death
         from llmserve.commands.engine_args import engine_argv
@@ -114,11 +117,10 @@ async def _serve(args: argparse.Namespace, security: ServerSecurity) -> int:
                 child.wait()
             raise
         engine = leader.engine
-        engine_loop = leader.engine_loop()
+        engine_loop = leader.engine_loop(before_step=before_step)
     else:
         engine = await asyncio.to_thread(Engine, config)
-    if args.debug_step_delay:
-        _slow_down(engine, args.debug_step_delay)
+        engine_loop = EngineLoop(engine, before_step=before_step)
     options = worker_options(args)
     server = WorkerServer(engine, host=args.host, port=args.port, options=options, engine_loop=engine_loop,
                           security=security)
@@ -203,18 +205,14 @@ def worker_options(args: argparse.Namespace) -> WorkerOptions:
     )
 
 
-def _slow_down(engine, delay_s: float) -> None:
-    """Test hook (--debug-step-delay): sleep before every forward step, so a generation stays in flight."""
-    import time
+def _step_delay(delay_s: float) -> Callable[[], None]:
+    """Test hook (--debug-step-delay): EngineLoop's ``before_step`` sleeps at the start of every step, so
+    a generation stays in flight."""
 
-    runner = engine.runner
-    forward = runner.forward
-
-    def slow_forward(step):
+    def sleep() -> None:
         time.sleep(delay_s)
-        return forward(step)
 
-    runner.forward = slow_forward
+    return sleep
 
 
 def run(args: argparse.Namespace) -> int:

@@ -72,3 +72,15 @@ def test_packed_fp16_rejects_weights_beyond_fp16_range():
     weight[0, 0] = 70000.0
     with pytest.raises(ValueError, match="fp16 range"):
         PackedFp16Linear(weight)
+
+
+def test_kernel_sources_build_from_a_path_that_does_not_depend_on_the_checkout(tmp_path) -> None:
+    """Two checkouts of the same sources share one build: torch rebuilds whenever a source's path
+    changes, so the kernels are compiled from a copy named by the sources' digest."""
+    from worker_svc.kernels.cpu_ext import CSRC, _sources_in_cache
+
+    first = _sources_in_cache(tmp_path, "d1")
+    again = _sources_in_cache(tmp_path, "d1")
+    assert first == again and [p.parent for p in first] == [tmp_path / "llmserve_csrc" / "d1"] * len(first)
+    assert [p.read_bytes() for p in first] == [p.read_bytes() for p in sorted(CSRC.glob("*.cpp"))]
+    assert not list((tmp_path / "llmserve_csrc").glob(".*"))  # no staging folder left behind

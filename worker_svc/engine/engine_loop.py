@@ -13,6 +13,9 @@ server turns its health to NOT_SERVING). Another thread can fail the loop the sa
 ``idle_tick`` (with ``idle_interval_s``) runs on the engine thread whenever it has been idle that long:
 a tensor-parallel leader sends its followers a keepalive there, so every collective comes within the
 process group's timeout and all collectives stay on this one thread.
+
+``before_step`` runs on the engine thread at the start of every step, inside the step's time (so a
+slow one counts as a slow step): the worker's ``--debug-step-delay`` test hook sleeps there.
 """
 
 from __future__ import annotations
@@ -79,9 +82,11 @@ class EngineLoop:
         name: str = "engine-loop",
         idle_tick: Callable[[], None] | None = None,
         idle_interval_s: float = 5.0,
+        before_step: Callable[[], None] | None = None,
     ) -> None:
         self.engine = engine
         self._idle_tick = idle_tick
+        self._before_step = before_step
         self._idle_interval_s = idle_interval_s
         self.scheduler = engine.scheduler
         self._cv = threading.Condition()
@@ -251,6 +256,8 @@ class EngineLoop:
                     last_activity = time.monotonic()
                     continue
                 self.step_started_at = time.monotonic()
+                if self._before_step is not None:
+                    self._before_step()
                 outputs = self.scheduler.step()
                 self.last_step_end = last_activity = time.monotonic()
                 self.step_started_at = None

@@ -8,7 +8,10 @@ The library is compiled by ``torch.utils.cpp_extension`` into torch's extension 
 (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``) the first time a process asks for
 it (about a minute on 2 cores; ``scripts/bootstrap.sh`` does it at install); later processes find
 the built library and only load it. Builds are serialized by a lock file in that directory, so the
-ranks of a worker group starting together compile once.
+ranks of a worker group starting together compile once. The sources are built from a copy in the
+cache named by their digest, and the library's name carries it too: checkouts of the same sources
+at different paths share one build (torch rebuilds when a source path changes), and checkouts of
+different sources never overwrite each other's.
 
 ``load()`` returns None, with the reason logged, when the host cannot use the kernels (not x86-64
 with AVX2, no C++ compiler, build error); callers then keep the torch/aten paths.
@@ -20,7 +23,9 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import os
 import platform
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -49,13 +54,13 @@ def load() -> object | None:
         return None
     from torch.utils import cpp_extension
 
-    sources = sorted(CSRC.glob("*.cpp"))
     # torch rebuilds when a source or a flag changes; the digest flag makes a header change count too.
     digest = hashlib.sha1(b"".join(path.read_bytes() for path in sorted(CSRC.iterdir()))).hexdigest()[:16]
     start = time.perf_counter()
     try:
+        sources = _sources_in_cache(Path(cpp_extension.get_default_build_root()), digest)
         cpp_extension.load(
-            name="llmserve_cpu_avx2",
+            name=f"llmserve_cpu_avx2_{digest}",
             sources=[str(path) for path in sources],
             extra_cflags=[*CFLAGS, f"-DLLMSERVE_CSRC_DIGEST={digest}"],
             extra_ldflags=["-fopenmp"],
@@ -67,6 +72,21 @@ def load() -> object | None:
         return None
     log.info("cpu_ext.loaded", seconds=round(time.perf_counter() - start, 2))
     return torch.ops.llmserve_cpu
+
+
+def _sources_in_cache(build_root: Path, digest: str) -> list[Path]:
+    """The .cpp files, copied once to ``<build root>/llmserve_csrc/<digest>`` (a path that does not
+    depend on where this checkout lives); a concurrent copier's finished folder wins the rename."""
+    folder = build_root / "llmserve_csrc" / digest
+    if not folder.is_dir():
+        staging = folder.parent / f".{digest}.{os.getpid()}"
+        shutil.rmtree(staging, ignore_errors=True)
+        shutil.copytree(CSRC, staging)
+        try:
+            staging.rename(folder)
+        except OSError:  # another process put it there first
+            shutil.rmtree(staging, ignore_errors=True)
+    return sorted(folder.glob("*.cpp"))
 
 
 if __name__ == "__main__":

@@ -2,15 +2,29 @@
 
 Injectable and explicit. The default is "rank 0 of 1" so a model runs in a unit test without any
 process group; multi-rank runs pass a context wrapping a real torch.distributed group.
+
+Every collective of the model path goes through this object's methods, so an optional ``observer``
+(parallel/collective_observer.py) sees each one with its issue, wait and done times. Without one the
+only cost is an ``is None`` check.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from worker_svc.parallel.collective_observer import (
+    CollectiveObserver,
+    CollectiveRecord,
+    ObservedWork,
+    WorkHandle,
+    describe,
+)
 
 
 @dataclass(frozen=True)
@@ -19,6 +33,8 @@ class TPContext:
     size: int = 1
     group: Any = None  # torch.distributed ProcessGroup, None when size == 1
     store: Any = None  # the rendezvous torch.distributed.Store (barriers, address exchange); None when size == 1
+    # Sees every collective this rank performs; not part of the context's identity.
+    observer: CollectiveObserver | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.size:
@@ -35,21 +51,59 @@ class TPContext:
         per_rank = total // self.size
         return self.rank * per_rank, (self.rank + 1) * per_rank
 
-    def all_reduce(self, tensor: torch.Tensor, async_op: bool = False) -> Any:
+    def all_reduce(self, tensor: torch.Tensor, async_op: bool = False) -> WorkHandle | None:
         """Sum in place across ranks. With async_op returns a work handle (None when size == 1)."""
         if self.size == 1:
             return None
-        return dist.all_reduce(tensor, group=self.group, async_op=async_op)
+        if self.observer is None:
+            return dist.all_reduce(tensor, group=self.group, async_op=async_op)
+        return self._observed("all_reduce", tensor, async_op,
+                              lambda: dist.all_reduce(tensor, group=self.group, async_op=async_op))
 
     def all_reduce_max(self, tensor: torch.Tensor) -> None:
         """Element-wise max in place across ranks (load-time use: quantization scales)."""
-        if self.size > 1:
+        if self.size == 1:
+            return
+        if self.observer is None:
             dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
+            return
+        self._observed("all_reduce_max", tensor, False,
+                       lambda: dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group))
 
     def all_gather_last_dim(self, tensor: torch.Tensor) -> torch.Tensor:
         """Concatenate each rank's shard along the last dimension, in rank order."""
         if self.size == 1:
             return tensor
-        parts = [torch.empty_like(tensor) for _ in range(self.size)]
-        dist.all_gather(parts, tensor.contiguous(), group=self.group)
-        return torch.cat(parts, dim=-1)
+        shard = tensor.contiguous()
+        parts = [torch.empty_like(shard) for _ in range(self.size)]
+        if self.observer is None:
+            dist.all_gather(parts, shard, group=self.group)
+        else:
+            self._observed("all_gather", shard, False, lambda: dist.all_gather(parts, shard, group=self.group))
+        return torch.cat(parts, dim=-1)  # [..., size * shard_last_dim]
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False) -> WorkHandle | None:
+        """Overwrite ``tensor`` on every rank with rank ``src``'s (the leader's step message). With async_op
+        returns a work handle (None when size == 1)."""
+        if self.size == 1:
+            return None
+        if self.observer is None:
+            return dist.broadcast(tensor, src=src, group=self.group, async_op=async_op)
+        return self._observed("broadcast", tensor, async_op,
+                              lambda: dist.broadcast(tensor, src=src, group=self.group, async_op=async_op))
+
+    def _observed(self, op: str, tensor: torch.Tensor, async_op: bool,
+                  call: Callable[[], WorkHandle | None]) -> WorkHandle | None:
+        """Run ``call`` and report it: at once when synchronous, at ``wait()`` through the wrapped handle
+        when async."""
+        observer = self.observer
+        assert observer is not None
+        issue_ns = time.perf_counter_ns()
+        work = call()
+        if async_op:
+            assert work is not None
+            return ObservedWork(work, observer, op, tensor, issue_ns)
+        done_ns = time.perf_counter_ns()
+        nbytes, shape, dtype = describe(tensor)
+        observer.record(CollectiveRecord(op, nbytes, shape, dtype, False, issue_ns, issue_ns, done_ns))
+        return work

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from worker_svc.config.tp_timeouts import TP_CONNECT_TIMEOUT_S, TP_UNWATCHED_TIMEOUT_S
+from worker_svc.parallel.collective_observer import CollectiveObserver
 from worker_svc.parallel.context import TPContext
 
 
@@ -52,14 +53,16 @@ def init_tp(
     device: str | torch.device = "cpu",
     timeout_s: float = TP_UNWATCHED_TIMEOUT_S,
     connect_timeout_s: float | None = None,
+    observer: CollectiveObserver | None = None,
 ) -> TPContext:
     """Join the ``size``-rank group whose rank 0 listens on ``init_addr`` ("host:port").
 
     The rendezvous waits up to ``connect_timeout_s`` (default: the larger of ``timeout_s`` and
     TP_CONNECT_TIMEOUT_S) for every rank; every collective then fails after ``timeout_s``.
+    ``observer`` sees this rank's collectives (parallel/collective_observer.py).
     """
     if size == 1:
-        return TPContext()
+        return TPContext(observer=observer)
     if not 0 <= rank < size:
         raise ValueError(f"tp rank {rank} out of range for tp size {size}")
     if dist.is_initialized():
@@ -68,19 +71,18 @@ def init_tp(
     if not host or not port.isdigit():
         raise ValueError(f"init address must be host:port, got {init_addr!r}")
     backend = backend_for(device)
-    kwargs = {}
+    device_id = None
     if backend == "nccl":
-        dev = rank_device(device, rank)
-        torch.cuda.set_device(dev)
-        kwargs["device_id"] = dev
+        device_id = rank_device(device, rank)
+        torch.cuda.set_device(device_id)
     connect = timedelta(seconds=connect_timeout_s or max(timeout_s, TP_CONNECT_TIMEOUT_S))
     store = open_store(host, int(port), size, rank == 0, connect)
     # Every rank has arrived before the group (whose own timeout may be short) connects.
     _store_barrier(store, "join", rank, size, connect)
     dist.init_process_group(
-        backend, store=store, rank=rank, world_size=size, timeout=timedelta(seconds=timeout_s), **kwargs
+        backend, store=store, rank=rank, world_size=size, timeout=timedelta(seconds=timeout_s), device_id=device_id
     )
-    return TPContext(rank=rank, size=size, group=dist.group.WORLD, store=store)
+    return TPContext(rank=rank, size=size, group=dist.group.WORLD, store=store, observer=observer)
 
 
 def bind_address(host: str, port: int) -> tuple[socket.AddressFamily, tuple]:

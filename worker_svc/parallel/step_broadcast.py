@@ -69,7 +69,7 @@ def broadcast_keepalive(tp: TPContext) -> None:
     if tp.size == 1:
         return
     dev = _comm_device(tp)
-    dist.broadcast(torch.tensor([KEEPALIVE_CODE, 0, 0, 0], dtype=torch.int64, device=dev), src=0, group=tp.group)
+    tp.broadcast(torch.tensor([KEEPALIVE_CODE, 0, 0, 0], dtype=torch.int64, device=dev))
 
 
 def _from_payload(code: int, n: int, b: int, flags: int, payload: torch.Tensor, device: Any) -> StepInput:
@@ -104,11 +104,11 @@ def broadcast_step(tp: TPContext, step: StepInput | None) -> None:
         raise RuntimeError("only the tp leader broadcasts steps")
     dev = _comm_device(tp)
     if step is None:
-        dist.broadcast(torch.tensor([STOP_CODE, 0, 0, 0], dtype=torch.int64, device=dev), src=0, group=tp.group)
+        tp.broadcast(torch.tensor([STOP_CODE, 0, 0, 0], dtype=torch.int64, device=dev))
         return
     packed = pack_step(step).to(dev)
-    dist.broadcast(packed[:HEADER_LEN].contiguous(), src=0, group=tp.group)
-    dist.broadcast(packed[HEADER_LEN:].contiguous(), src=0, group=tp.group)
+    tp.broadcast(packed[:HEADER_LEN].contiguous())
+    tp.broadcast(packed[HEADER_LEN:].contiguous())
 
 
 def receive_step(tp: TPContext, device: torch.device | str = "cpu") -> StepInput | None:
@@ -116,12 +116,12 @@ def receive_step(tp: TPContext, device: torch.device | str = "cpu") -> StepInput
     dev = _comm_device(tp)
     header = torch.empty(HEADER_LEN, dtype=torch.int64, device=dev)
     while True:
-        dist.broadcast(header, src=0, group=tp.group)
+        tp.broadcast(header)
         code, n, b, flags = (int(v) for v in header.tolist())
         if code != KEEPALIVE_CODE:
             break
     if code == STOP_CODE:
         return None
     payload = torch.empty(3 * n + 3 * b, dtype=torch.int64, device=dev)
-    dist.broadcast(payload, src=0, group=tp.group)
+    tp.broadcast(payload)
     return _from_payload(code, n, b, flags, payload.cpu() if dev.type != "cpu" else payload, device)

@@ -90,6 +90,7 @@ class GenerateCall:
                 reason, detail = "error", None
         else:
             detail = None
+        assert out.finish_reason is not None, "finished() takes a sample's final output"
         self._close(state.index, out.finish_reason.value, out.matched_stop, out.prompt_tokens,
                     out.completion_tokens, reason, detail)
 

@@ -71,9 +71,8 @@ async def serve_follower(
     when the leader dies or hangs. ``on_listening(port)`` runs once health is served. ``secret``:
     the group's heartbeat secret (``None``: read the one the leader published in the store)."""
     tp = await asyncio.to_thread(init_tp, rank, size, init_addr, config.device, timeout_s, connect_timeout_s)
-    if secret is None:
-        secret = await asyncio.to_thread(tp.store.get, SECRET_KEY)
-    heartbeat = FollowerHeartbeat(tp, timeout_s, _die, secret)
+    group_secret: bytes = secret if secret is not None else await asyncio.to_thread(tp.store.get, SECRET_KEY)
+    heartbeat = FollowerHeartbeat(tp, timeout_s, _die, group_secret)
     runner = await asyncio.to_thread(ModelRunner, rank_config(config, rank), tp)
     await asyncio.to_thread(heartbeat.connect, connect_timeout_s)
     await asyncio.to_thread(tp_barrier, tp, "loaded", connect_timeout_s)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import subprocess
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import structlog
@@ -106,11 +106,13 @@ class TPLeader:
         log.info("tp leader ready", tp_size=size, tp_timeout_s=timeout_s, children=[c.pid for c in children])
         return leader
 
-    def engine_loop(self) -> EngineLoop:
-        """The leader's EngineLoop: keepalives while idle; failed when the group breaks."""
+    def engine_loop(self, before_step: Callable[[], None] | None = None) -> EngineLoop:
+        """The leader's EngineLoop: keepalives while idle; failed when the group breaks. ``before_step``
+        is EngineLoop's (used when the loop is first built)."""
         if self.loop is None:
             self.loop = EngineLoop(
-                self.engine, idle_tick=self.engine.runner.keepalive, idle_interval_s=self.timeout_s / 3
+                self.engine, idle_tick=self.engine.runner.keepalive, idle_interval_s=self.timeout_s / 3,
+                before_step=before_step,
             )
             if self.fault is not None:
                 self.loop.fail(TPGroupFailed(self.fault))
