@@ -18,7 +18,7 @@ endif
 DEMO_CHAT := What is the capital of France?
 DEMO_FLAGS := --demo-chat "$(DEMO_CHAT)" --demo-max-new-tokens 64
 
-.PHONY: setup run demo check-model test test-slow model real-model
+.PHONY: setup run demo check-model test test-slow lint model real-model
 
 setup:
 	scripts/bootstrap.sh
@@ -44,8 +44,13 @@ check-model: model
 	$(VENV)/llmserve bench-one-batch --model $(MODEL_DIR) --correct --dtype float32 --output-len 32
 
 # The default suite runs the HF oracle and a router chat on the real model: fetch it first.
-test: real-model
+test: real-model lint
 	LLMSERVE_REAL_MODEL=$(CURDIR)/$(REAL_MODEL_DIR) $(VENV)/python -m pytest -q -p no:cacheprovider
+
+# ruff (pyproject.toml [tool.ruff]) and mypy over worker_svc, router, tokenizer_svc, llmserve ([tool.mypy]).
+lint: setup
+	$(VENV)/ruff check .
+	$(VENV)/mypy
 
 test-slow: real-model
 	LLMSERVE_REAL_MODEL=$(CURDIR)/$(REAL_MODEL_DIR) $(VENV)/python -m pytest -q -m slow

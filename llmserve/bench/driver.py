@@ -86,7 +86,9 @@ def chunked_prefill_logits(runner: StepRunner, prompts: list[list[int]], chunk: 
             for j, i in enumerate(live):
                 if start + chunk >= len(prompts[i]):
                     final[i] = logits[j]
-        return torch.stack(final)
+        done = [f for f in final if f is not None]
+        assert len(done) == len(final), "every prompt ends in some chunk"
+        return torch.stack(done)
     finally:
         batch.release()
 

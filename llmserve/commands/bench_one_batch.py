@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from llmserve.commands.engine_args import add_engine_args, engine_config_from_args
 
 if TYPE_CHECKING:  # torch is imported when the command runs, not when the CLI parses arguments
-    from worker_svc.executor.model_runner import ModelRunner
+    from worker_svc.executor.step_runner import StepRunner
     from worker_svc.parallel.collective_observer import CollectiveRecorder
 
 # The three prompts of sglang's bench_one_batch --correct.
@@ -97,7 +97,7 @@ def _load_prompts(args: argparse.Namespace) -> list[str]:
     return [line for line in args.prompts_file.read_text().splitlines() if line.strip()]
 
 
-def correctness(runner: ModelRunner, args: argparse.Namespace) -> int:
+def correctness(runner: StepRunner, args: argparse.Namespace) -> int:
     import torch
     from tokenizers import Tokenizer
 
@@ -139,7 +139,7 @@ def correctness(runner: ModelRunner, args: argparse.Namespace) -> int:
 # ---- latency --------------------------------------------------------------------------------------
 
 
-def _timed_run(runner: ModelRunner, batch_size: int, input_len: int, output_len: int, quiet: bool,
+def _timed_run(runner: StepRunner, batch_size: int, input_len: int, output_len: int, quiet: bool,
                profiler: CollectiveProfiler | None = None) -> dict:
     import torch
 
@@ -195,7 +195,7 @@ def _timed_run(runner: ModelRunner, batch_size: int, input_len: int, output_len:
     }
 
 
-def latency(runner: ModelRunner, args: argparse.Namespace, profiler: CollectiveProfiler | None = None) -> int:
+def latency(runner: StepRunner, args: argparse.Namespace, profiler: CollectiveProfiler | None = None) -> int:
     hf = None
     if args.compare_hf:
         from llmserve.bench.hf_generate import HFGenerateTimer

@@ -8,7 +8,7 @@ the full checkpoint tensor. Staying an ``nn.Linear`` subclass lets torchao quant
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -56,7 +56,7 @@ class KernelLinear(nn.Linear):
     # Other code reads the weight itself (MLA's kv_b_proj for absorbed decode): never quantize or release it.
     needs_weight: bool = False
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.kernel(x, self.weight, self.bias)
 
 
@@ -72,7 +72,8 @@ def release_weight(module: nn.Module, keep: set[int]) -> None:
     ``KernelLinear`` or the LM head (both declare ``needs_weight``)."""
     if id(module.weight) in keep or module.needs_weight:
         return
-    module.weight = nn.Parameter(torch.empty_like(module.weight, device="meta"), requires_grad=False)
+    weight = cast(torch.Tensor, module.weight)  # nn.Module attribute access is typed Tensor | Module
+    module.weight = nn.Parameter(torch.empty_like(weight, device="meta"), requires_grad=False)
 
 
 class ColumnParallelLinear(KernelLinear):
@@ -174,7 +175,7 @@ class RowParallelLinear(KernelLinear):
         start, end = self.tp.shard_range(self.full_in_features)
         _copy_checked(param, source[:, start:end], "row-parallel weight")
 
-    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:  # type: ignore[override]
+    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
         out = self.kernel(x, self.weight, self.bias)
         if reduce:
             self.tp.all_reduce(out)

@@ -15,6 +15,8 @@ whose logits reach ~70; rounded to 8 or 11 mantissa bits the two agree (tests/un
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -25,7 +27,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         self.eps = eps
-        self.cpu_ops = None
+        self.cpu_ops: Any = None  # torch.ops.llmserve_cpu (untyped op namespace) or None
 
     def _fused(self, x: torch.Tensor) -> bool:
         return (

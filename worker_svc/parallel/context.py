@@ -13,7 +13,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -31,8 +30,8 @@ from worker_svc.parallel.collective_observer import (
 class TPContext:
     rank: int = 0
     size: int = 1
-    group: Any = None  # torch.distributed ProcessGroup, None when size == 1
-    store: Any = None  # the rendezvous torch.distributed.Store (barriers, address exchange); None when size == 1
+    group: dist.ProcessGroup | None = None  # None when size == 1
+    store: dist.Store | None = None  # the rendezvous store (barriers, address exchange); None when size == 1
     # Sees every collective this rank performs; not part of the context's identity.
     observer: CollectiveObserver | None = field(default=None, compare=False)
 
@@ -43,6 +42,13 @@ class TPContext:
     @property
     def is_leader(self) -> bool:
         return self.rank == 0
+
+    @property
+    def rendezvous(self) -> dist.Store:
+        """The rendezvous store of a multi-rank context."""
+        if self.store is None:
+            raise RuntimeError("a single-rank TPContext has no rendezvous store")
+        return self.store
 
     def shard_range(self, total: int) -> tuple[int, int]:
         """[start, end) of this rank's even shard of ``total``; ``total`` must divide evenly."""

@@ -136,7 +136,7 @@ def tp_barrier(tp: TPContext, name: str, timeout_s: float = TP_CONNECT_TIMEOUT_S
     """Wait (through the rendezvous store, not a collective) until every rank reached ``name``; used
     after loading, which takes longer than the collective timeout may allow. ``name`` must be unique."""
     if tp.size > 1:
-        _store_barrier(tp.store, name, tp.rank, tp.size, timedelta(seconds=timeout_s))
+        _store_barrier(tp.rendezvous, name, tp.rank, tp.size, timedelta(seconds=timeout_s))
 
 
 def destroy_tp(tp: TPContext) -> None:

@@ -117,7 +117,7 @@ class LeaderHeartbeat:
         # The init address's interface only, as the rendezvous store (tp_group.bound_listener).
         self._listener = bound_listener(advertise_host, 0, tp.size)
         port = self._listener.getsockname()[1]
-        tp.store.set(ADDRESS_KEY, f"{advertise_host}:{port}")
+        tp.rendezvous.set(ADDRESS_KEY, f"{advertise_host}:{port}")
         self._threads = [
             threading.Thread(target=self._accept, name="tp-hb-accept", daemon=True),
             threading.Thread(target=self._monitor, name="tp-hb-monitor", daemon=True),
@@ -247,7 +247,7 @@ class FollowerHeartbeat:
 
     def connect(self, timeout_s: float) -> None:
         """Read the leader's address from the store (waits for it) and connect."""
-        address = self.tp.store.get(ADDRESS_KEY).decode()
+        address = self.tp.rendezvous.get(ADDRESS_KEY).decode()
         host, _, port = address.rpartition(":")
         sock = socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s)
         try:

@@ -71,7 +71,7 @@ async def serve_follower(
     when the leader dies or hangs. ``on_listening(port)`` runs once health is served. ``secret``:
     the group's heartbeat secret (``None``: read the one the leader published in the store)."""
     tp = await asyncio.to_thread(init_tp, rank, size, init_addr, config.device, timeout_s, connect_timeout_s)
-    group_secret: bytes = secret if secret is not None else await asyncio.to_thread(tp.store.get, SECRET_KEY)
+    group_secret: bytes = secret if secret is not None else await asyncio.to_thread(tp.rendezvous.get, SECRET_KEY)
     heartbeat = FollowerHeartbeat(tp, timeout_s, _die, group_secret)
     runner = await asyncio.to_thread(ModelRunner, rank_config(config, rank), tp)
     await asyncio.to_thread(heartbeat.connect, connect_timeout_s)

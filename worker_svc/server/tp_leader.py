@@ -54,6 +54,7 @@ class TPLeader:
 
     tp: TPContext
     engine: Engine
+    runner: LeaderRunner  # the engine's runner, as what it is here: the step broadcaster
     heartbeat: LeaderHeartbeat
     timeout_s: float
     children: list[subprocess.Popen] = field(default_factory=list)
@@ -88,7 +89,7 @@ class TPLeader:
                 "anyone who can reach the store can join the group"
             )
             secret = new_secret()
-            tp.store.set(SECRET_KEY, secret)
+            tp.rendezvous.set(SECRET_KEY, secret)  # type: ignore[arg-type]  # Store.set takes bytes too
         heartbeat = LeaderHeartbeat(tp, _host_of(init_addr), timeout_s, on_fault, secret)
         try:
             config = rank_config(config, 0)
@@ -99,7 +100,7 @@ class TPLeader:
         except BaseException:
             heartbeat.close(clean=False)
             raise
-        leader = cls(tp=tp, engine=engine, heartbeat=heartbeat, timeout_s=timeout_s, children=children)
+        leader = cls(tp=tp, engine=engine, runner=runner, heartbeat=heartbeat, timeout_s=timeout_s, children=children)
         holder.append(leader)
         if heartbeat.fault is not None:  # a follower died between connecting and now
             leader._on_fault(heartbeat.fault)
@@ -111,7 +112,7 @@ class TPLeader:
         is EngineLoop's (used when the loop is first built)."""
         if self.loop is None:
             self.loop = EngineLoop(
-                self.engine, idle_tick=self.engine.runner.keepalive, idle_interval_s=self.timeout_s / 3,
+                self.engine, idle_tick=self.runner.keepalive, idle_interval_s=self.timeout_s / 3,
                 before_step=before_step,
             )
             if self.fault is not None:
@@ -142,7 +143,7 @@ class TPLeader:
         if clean:
             try:
                 self.heartbeat.stopping()
-                self.engine.runner.stop_followers()
+                self.runner.stop_followers()
             except Exception as exc:  # noqa: BLE001 - a peer died during shutdown
                 log.error("could not stop the tp followers", error=repr(exc))
                 clean = False
