@@ -78,8 +78,6 @@ class MLAAttentionLayer(nn.Module):
     ``kv_b_proj`` is referenced, not registered, so its parameter keeps its checkpoint name.
     """
 
-    kv_b_proj: nn.Linear  # set with object.__setattr__ (not a submodule), declared here for its type
-
     def __init__(
         self, layer_id: int, num_heads: int, kv_lora_rank: int, qk_nope_head_dim: int, qk_rope_head_dim: int,
         v_head_dim: int, scaling: float, kv_b_proj: nn.Linear,
@@ -92,7 +90,12 @@ class MLAAttentionLayer(nn.Module):
         self.qk_rope_head_dim = qk_rope_head_dim
         self.v_head_dim = v_head_dim
         self.scaling = scaling
-        object.__setattr__(self, "kv_b_proj", kv_b_proj)
+        # In a tuple, so nn.Module does not register it as a child (its parameter would get a second name).
+        self._kv_b_proj = (kv_b_proj,)
+
+    @property
+    def kv_b_proj(self) -> nn.Linear:
+        return self._kv_b_proj[0]
 
     def decompress(self, latent_nope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[n, kv_lora_rank] -> per-head K_nope [n, heads, qk_nope] and V [n, heads, v_head_dim]."""
