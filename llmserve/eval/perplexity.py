@@ -24,6 +24,7 @@ from typing import Any, Protocol
 import torch
 
 from llmserve.bench.driver import StaticBatch
+from worker_svc.executor.step_runner import StepRunner
 
 
 class Scorer(Protocol):
@@ -35,7 +36,7 @@ class Scorer(Protocol):
 class EngineScorer:
     """This engine's forward: one EXTEND step over the window with logits at every token."""
 
-    def __init__(self, runner: Any) -> None:
+    def __init__(self, runner: StepRunner) -> None:
         self.runner = runner
 
     def logits(self, ids: list[int]) -> torch.Tensor:

@@ -10,8 +10,6 @@ extend on the cached prefix (logits at every token) and a decode.
 
 from __future__ import annotations
 
-import json
-import shutil
 import threading
 from collections.abc import Callable
 from datetime import timedelta
@@ -21,8 +19,8 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file, save_file
 
+from tests.model_variants import with_biases
 from tests.unit.oracle import encode_prompts
 from worker_svc.config.engine_config import EngineConfig
 from worker_svc.executor.model_runner import ModelRunner
@@ -34,26 +32,12 @@ from worker_svc.parallel.group import free_port, open_store
 TIMEOUT = timedelta(seconds=60)
 
 
-def _with_biases(src: Path, dst: Path) -> Path:
-    """A copy of ``src`` with random biases on every projection (attention_bias and mlp_bias)."""
-    shutil.copytree(src, dst)
-    tensors = load_file(str(dst / "model.safetensors"))
-    gen = torch.Generator().manual_seed(1)
-    for name in [n for n in tensors if n.endswith("_proj.weight")]:
-        tensors[name.replace(".weight", ".bias")] = torch.randn(tensors[name].shape[0], generator=gen) * 0.1
-    save_file(tensors, str(dst / "model.safetensors"))
-    config = json.loads((dst / "config.json").read_text())
-    config.update(attention_bias=True, mlp_bias=True)
-    (dst / "config.json").write_text(json.dumps(config))
-    return dst
-
-
 @pytest.fixture(scope="module")
 def models(model_factory, tmp_path_factory) -> dict[str, Path]:
     llama = model_factory("tiny")
     return {
         "llama": llama,
-        "llama_bias": _with_biases(llama, tmp_path_factory.mktemp("decoder_stages") / "llama_bias"),
+        "llama_bias": with_biases(llama, tmp_path_factory.mktemp("decoder_stages") / "llama_bias"),
         "deepseek_v2": model_factory("tiny", arch="deepseek_v2"),  # layer 0 dense, then MoE + shared expert
     }
 

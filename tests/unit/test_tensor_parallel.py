@@ -11,16 +11,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
 
 from llmserve.bench.driver import chunked_prefill_logits, greedy_with_split_prefill
 from llmserve.eval.perplexity import EngineScorer
+from tests.model_variants import with_biases
 from tests.unit.oracle import encode_prompts
 from worker_svc.config.engine_config import EngineConfig
 from worker_svc.executor.model_runner import ModelRunner
@@ -43,24 +42,6 @@ CHUNK = 5
 TIMEOUT_S = 90
 
 
-def _with_biases(src: Path, dst: Path) -> Path:
-    """A copy of ``src`` with random biases on every projection (attention_bias and mlp_bias)."""
-    if dst.exists():
-        return dst
-    shutil.copytree(src, dst)
-    tensors = load_file(str(dst / "model.safetensors"))
-    gen = torch.Generator().manual_seed(1)
-    for name in list(tensors):
-        if name.endswith(("_proj.weight",)):
-            rows = tensors[name].shape[0]
-            tensors[name.replace(".weight", ".bias")] = torch.randn(rows, generator=gen) * 0.1
-    save_file(tensors, str(dst / "model.safetensors"))
-    config = json.loads((dst / "config.json").read_text())
-    config.update(attention_bias=True, mlp_bias=True)
-    (dst / "config.json").write_text(json.dumps(config))
-    return dst
-
-
 @pytest.fixture(scope="module")
 def models(model_factory, tmp_path_factory) -> dict[str, Path]:
     tiny = model_factory("tiny")
@@ -69,7 +50,7 @@ def models(model_factory, tmp_path_factory) -> dict[str, Path]:
         "small": model_factory("small"),
         "tied": model_factory("tiny", tie_word_embeddings=True),
         "odd_vocab": model_factory("tiny", config_override={"vocab_size": 509}),
-        "bias": _with_biases(tiny, tmp_path_factory.mktemp("bias") / "tiny_bias"),
+        "bias": with_biases(tiny, tmp_path_factory.mktemp("bias") / "tiny_bias"),
         # Quantized shards (the quantization issue): int8 row-parallel scales are max-reduced over
         # ranks and int4 groups never straddle a shard, so the quantized weights equal TP=1's.
         "small_int8wo": model_factory("small"),

@@ -379,8 +379,7 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
 
     @property
     def tp_size(self) -> int:
-        tp = getattr(self.runner, "tp", None)
-        return tp.size if tp is not None else 1
+        return self.runner.tp.size
 
     def server_args(self) -> dict[str, Any]:
         args = asdict(self.engine.config)
