@@ -123,6 +123,12 @@ class LeaderRunner:
             broadcast_step(self.tp, None)
 
 
+def rank_config(config: EngineConfig, rank: int) -> EngineConfig:
+    """``config`` on this rank's device (``cuda`` without an index: one GPU per rank)."""
+    device = str(rank_device(config.device, rank))
+    return config if device == config.device else dataclasses.replace(config, device=device)
+
+
 def run_follower(
     rank: int,
     size: int,
@@ -139,10 +145,7 @@ def run_follower(
     steps = []
     try:
         for engine_config in engine_configs:
-            device = str(rank_device(engine_config.device, rank))
-            if device != engine_config.device:
-                engine_config = dataclasses.replace(engine_config, device=device)
-            steps.append(FollowerLoop(ModelRunner(engine_config, tp), tp).run())
+            steps.append(FollowerLoop(ModelRunner(rank_config(engine_config, rank), tp), tp).run())
     finally:
         destroy_tp(tp)
     return steps

@@ -11,7 +11,6 @@ under ``SECRET_KEY`` in the rendezvous store, which only keeps out peers that ca
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import subprocess
 import sys
@@ -19,8 +18,6 @@ from collections.abc import Callable, MutableMapping, Sequence
 
 import structlog
 
-from worker_svc.config.engine_config import EngineConfig
-from worker_svc.parallel.group import rank_device
 from worker_svc.parallel.heartbeat import check_secret
 
 log = structlog.get_logger(__name__)
@@ -30,12 +27,6 @@ SECRET_KEY = "llmserve/heartbeat-secret"
 # A single-machine leader hands each follower the secret through an inherited pipe; only the pipe's
 # fd number is in the follower's environment (argv and /proc/PID/environ never hold the secret).
 SECRET_FD_ENV = "LLMSERVE_TP_SECRET_FD"
-
-
-def rank_config(config: EngineConfig, rank: int) -> EngineConfig:
-    """``config`` on this rank's device (``cuda`` without an index: one GPU per rank)."""
-    device = str(rank_device(config.device, rank))
-    return config if device == config.device else dataclasses.replace(config, device=device)
 
 
 def spawn_follower_processes(

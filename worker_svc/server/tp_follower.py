@@ -23,11 +23,11 @@ from llmserve.grpc_server import grpc_address, listen, stop_signal_event
 from worker_svc.config.engine_config import EngineConfig
 from worker_svc.config.tp_timeouts import TP_CONNECT_TIMEOUT_S, TP_SERVING_TIMEOUT_S
 from worker_svc.executor.model_runner import ModelRunner
-from worker_svc.executor.tp_runners import FollowerLoop
+from worker_svc.executor.tp_runners import FollowerLoop, rank_config
 from worker_svc.parallel.group import destroy_tp, init_tp, tp_barrier
 from worker_svc.parallel.heartbeat import FollowerHeartbeat
 from worker_svc.server.health import WorkerHealth
-from worker_svc.server.launch import SECRET_KEY, rank_config
+from worker_svc.server.launch import SECRET_KEY
 
 log = structlog.get_logger(__name__)
 

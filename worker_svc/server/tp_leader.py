@@ -34,11 +34,11 @@ from worker_svc.config.tp_timeouts import TP_CONNECT_TIMEOUT_S, TP_SERVING_TIMEO
 from worker_svc.engine.engine import Engine
 from worker_svc.engine.engine_loop import EngineLoop
 from worker_svc.executor.model_runner import ModelRunner
-from worker_svc.executor.tp_runners import LeaderRunner, TPGroupFailed
+from worker_svc.executor.tp_runners import LeaderRunner, TPGroupFailed, rank_config
 from worker_svc.parallel.context import TPContext
 from worker_svc.parallel.group import destroy_tp, init_tp, tp_barrier
 from worker_svc.parallel.heartbeat import LeaderHeartbeat, new_secret
-from worker_svc.server.launch import SECRET_KEY, rank_config
+from worker_svc.server.launch import SECRET_KEY
 
 log = structlog.get_logger(__name__)
 
