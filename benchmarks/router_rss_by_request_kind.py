@@ -1,0 +1,114 @@
+"""Router native-memory growth by request kind (issue 11 soak): three routers side by side in front of
+one tiny-model worker, each driven with one kind of request (plain streams, streams the client
+cancels 0-30 ms in, Tokenize calls), printing each router's anonymous RSS every 30 s.
+
+    .venv/bin/python benchmarks/router_rss_by_request_kind.py MINUTES CONCURRENCY   # from the repo root
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import grpc  # noqa: E402
+
+from llmserve.modelgen import make_model  # noqa: E402
+from router.client import AsyncRouterClient  # noqa: E402
+from tests.integration.test_router import Proc, engine_flags, spawn  # noqa: E402
+
+KINDS = ("stream", "cancel", "unary")
+PROMPT = "Once upon a time"
+
+
+def anonymous_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        for line in f:
+            if line.startswith("Anonymous:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def start_router(name: str, tokenizer: Proc, worker: Proc, work: Path, deadline: float) -> Proc:
+    port_file, log_path = work / f"{name}.port", work / f"{name}.log"
+    cmd = [sys.executable, "-m", "llmserve.cli", "router", "--tokenizer", tokenizer.address,
+           "--workers", worker.address, "--host", "127.0.0.1", "--port", "0", "--port-file", str(port_file),
+           "--log-json", "--log-level", "warning"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=work)
+    router = Proc(name, proc, port_file, log_path)
+    router.wait_port(deadline)
+    return router
+
+
+async def one(client: AsyncRouterClient, kind: str, rng: random.Random) -> None:
+    async def consume() -> None:
+        async for _ in client.generate(PROMPT, max_new_tokens=16, ignore_eos=True):
+            pass
+
+    if kind == "stream":
+        await consume()
+    elif kind == "cancel":
+        task = asyncio.ensure_future(consume())
+        await asyncio.sleep(rng.uniform(0, 0.03))
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
+            await task
+    else:
+        await client.tokenize(PROMPT + " there was")
+
+
+async def drive(router: Proc, concurrency: int, counts: dict[str, int], end: float) -> None:
+    rng = random.Random(1)
+    async with AsyncRouterClient(router.address) as client:
+        await client.wait_ready()
+        running: set[asyncio.Future[None]] = set()
+        while time.monotonic() < end:
+            while len(running) < concurrency:
+                running.add(asyncio.ensure_future(one(client, router.name, rng)))
+            done, running = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+            counts[router.name] = counts.get(router.name, 0) + len(done)
+        await asyncio.gather(*running, return_exceptions=True)
+
+
+async def measure(routers: list[Proc], minutes: float, concurrency: int) -> None:
+    end = time.monotonic() + 60 * minutes
+    counts: dict[str, int] = {}
+    tasks = [asyncio.ensure_future(drive(r, concurrency, counts, end)) for r in routers]
+    start = time.monotonic()
+    while not all(t.done() for t in tasks):
+        row = "  ".join(f"{r.name}: anon {anonymous_mb(r.proc.pid):.1f} MB n={counts.get(r.name, 0)}" for r in routers)
+        print(f"{time.monotonic() - start:5.0f}s {row}", flush=True)
+        await asyncio.sleep(30)
+
+
+def main() -> None:
+    minutes, concurrency = float(sys.argv[1]), int(sys.argv[2])
+    work = Path(tempfile.mkdtemp())
+    model = make_model(work / "m", arch="llama", preset="tiny", seed=0)
+    tokenizer = spawn("tokenizer", ["tokenizer", "--model", str(model)], work)
+    worker = spawn("worker", ["worker", "--model", str(model), *engine_flags()], work)
+    procs = [tokenizer, worker]
+    try:
+        deadline = time.monotonic() + 120
+        tokenizer.wait_port(deadline)
+        worker.wait_port(deadline)
+        routers = [start_router(kind, tokenizer, worker, work, deadline) for kind in KINDS]
+        procs += routers
+        asyncio.run(measure(routers, minutes, concurrency))
+    finally:
+        for p in procs:
+            p.proc.terminate()
+
+
+if __name__ == "__main__":
+    main()
