@@ -1,4 +1,4 @@
-"""Linux /proc readers for process and socket tests: liveness, descendants, listening sockets."""
+"""Linux /proc readers for process and socket tests: liveness, descendants, RSS, listening sockets."""
 
 from __future__ import annotations
 
@@ -39,6 +39,15 @@ def descendants(pid: int) -> list[int]:
                 found.append(kid)
                 todo.append(kid)
     return found
+
+
+def rss_mb(pid: int) -> float:
+    """Resident set size of ``pid`` in MiB (VmRSS)."""
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise AssertionError(f"no VmRSS for pid {pid}")
 
 
 def _decode(hex_address: str) -> tuple[str, int]:

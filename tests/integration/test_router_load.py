@@ -19,13 +19,13 @@ import statistics
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import grpc
 import pytest
 
 from router.client import AsyncRouterClient
 from tests.integration.test_router import Proc, one_group_cluster
+from tests.procfs import rss_mb
 
 pytestmark = pytest.mark.slow
 
@@ -34,22 +34,16 @@ CONNECTIONS = 10  # as many clients would open: one HTTP/2 connection serializes
 PROMPT = "Write a short story about a lighthouse keeper."
 
 
-def _rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
-
 
 class _PeakRss:
     def __init__(self, pid: int) -> None:
-        self.pid, self.start, self.peak = pid, _rss_mb(pid), 0.0
+        self.pid, self.start, self.peak = pid, rss_mb(pid), 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
 
     def _sample(self) -> None:
         while not self._stop.is_set():
-            self.peak = max(self.peak, _rss_mb(self.pid))
+            self.peak = max(self.peak, rss_mb(self.pid))
             time.sleep(0.05)
 
     def __enter__(self) -> _PeakRss:

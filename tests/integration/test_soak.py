@@ -10,7 +10,6 @@ import contextlib
 import os
 import random
 import time
-from pathlib import Path
 
 import grpc
 import pytest
@@ -19,17 +18,12 @@ from smg_grpc_proto import sglang_scheduler_pb2_grpc as spb_grpc
 
 from router.client import AsyncRouterClient, RouterClient
 from tests.integration.test_cluster import serve  # noqa: F401 - the fixture
+from tests.procfs import rss_mb
 
 pytestmark = pytest.mark.slow
 
 CONCURRENCY = 8
 
-
-def _rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
 
 
 async def _one(client: AsyncRouterClient, rng: random.Random, counts: dict[str, int], errors: list[str]) -> None:
@@ -88,12 +82,12 @@ def test_soak(serve) -> None:  # noqa: F811
                 for t in done:
                     t.result()
                 if time.monotonic() >= next_sample:
-                    samples.append((time.monotonic(), {name: _rss_mb(pid) for name, pid in pids.items()}))
+                    samples.append((time.monotonic(), {name: rss_mb(pid) for name, pid in pids.items()}))
                     next_sample += 30
             await asyncio.gather(*running)
 
     asyncio.run(traffic())
-    samples.append((time.monotonic(), {name: _rss_mb(pid) for name, pid in pids.items()}))
+    samples.append((time.monotonic(), {name: rss_mb(pid) for name, pid in pids.items()}))
     time.sleep(2)  # aborts of the last cancels land
     with RouterClient(router, timeout=10) as client:
         addresses = [g.address for g in client.list_workers().groups]

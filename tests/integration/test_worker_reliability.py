@@ -21,6 +21,7 @@ from smg_grpc_proto import sglang_scheduler_pb2_grpc as pb_grpc
 
 from tests.integration.conftest import worker_engine_config
 from tests.integration.test_worker_server import TIMEOUT, _collect, _prompt, _request
+from tests.procfs import rss_mb
 from worker_svc.engine.engine import Engine
 from worker_svc.server.app import ServerThread, WorkerServer
 from worker_svc.server.servicer import SERVICE_NAME, WorkerOptions
@@ -423,14 +424,6 @@ def test_generate_past_the_queue_limit_is_resource_exhausted_at_once(worker_mode
 # ---- F12: RSS under traffic through gRPC ---------------------------------------------------------
 
 
-def _rss_mb(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    raise AssertionError(f"no VmRSS for pid {pid}")
-
-
 def worker_rss_under_mixed_prompts(
     worker_process_factory, model, *flags: str, rounds: int = 15, warm_up: int = 5
 ) -> tuple[float, float, float]:
@@ -457,13 +450,13 @@ def worker_rss_under_mixed_prompts(
             list(pool.map(one, [rng.randrange(8, 1900) for _ in range(32)]))
 
         one(8)
-        idle = _rss_mb(worker.proc.pid)
+        idle = rss_mb(worker.proc.pid)
         for _ in range(warm_up):
             round_()
-        warm = _rss_mb(worker.proc.pid)
+        warm = rss_mb(worker.proc.pid)
         for _ in range(rounds):
             round_()
-        return idle, warm, _rss_mb(worker.proc.pid)
+        return idle, warm, rss_mb(worker.proc.pid)
 
 
 @pytest.mark.slow
