@@ -3,11 +3,14 @@
 One call per router request (the tokenizer proto recommends it: an error fails the whole call),
 opened on the first token; each of the request's n sequences is a sequence_id on it. Messages are
 strictly request/response on the call, and one router request feeds it from a single coroutine, so
-no locking is needed.
+no locking is needed. Each step (write, then read) runs shielded (router/background.py), and a
+request that ends early half-closes the call instead of cancelling it: cancelling a grpc.aio call
+with a batch in flight leaks native memory (grpc/grpc#43360).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 
 import grpc
@@ -15,6 +18,7 @@ import grpc
 from llmserve.grpc_server import REQUEST_ID_HEADER
 from llmserve.v1 import tokenizer_pb2 as tpb
 from llmserve.v1 import tokenizer_pb2_grpc as tpb_grpc
+from router.background import BackgroundCalls
 
 
 class DetokenizeError(Exception):
@@ -22,9 +26,12 @@ class DetokenizeError(Exception):
 
 
 class StreamDetokenizer:
-    def __init__(self, stub: tpb_grpc.TokenizerStub, request_id: str, skip_special_tokens: bool,
-                 timeout: float | None = None):
+    def __init__(self, stub: tpb_grpc.TokenizerStub, background: BackgroundCalls, request_id: str,
+                 skip_special_tokens: bool, timeout: float | None = None, close_timeout: float = 30.0):
         self._stub = stub
+        self._background = background
+        self._close_timeout = close_timeout  # for a call abandoned mid-request to end on its own
+        self._step: asyncio.Future[tpb.DetokenizeStreamResponse | object] | None = None
         self._metadata = ((REQUEST_ID_HEADER, request_id),)
         self._skip = skip_special_tokens
         self._timeout = timeout
@@ -39,10 +46,11 @@ class StreamDetokenizer:
             return ""  # never opened: nothing to flush
         if self._call is None:
             self._call = self._stub.DetokenizeStream(metadata=self._metadata, timeout=self._timeout)
+        request = tpb.DetokenizeStreamRequest(
+            sequence_id=sequence_id, token_ids=token_ids, final=final, skip_special_tokens=self._skip)
+        self._step = self._background.spawn(self._exchange(self._call, request))
         try:
-            await self._call.write(tpb.DetokenizeStreamRequest(
-                sequence_id=sequence_id, token_ids=token_ids, final=final, skip_special_tokens=self._skip))
-            resp = await self._call.read()
+            resp = await asyncio.shield(self._step)
         except grpc.aio.AioRpcError as exc:
             raise DetokenizeError(f"tokenizer service: {exc.code().name}: {exc.details()}") from exc
         except grpc.aio.UsageError as exc:  # the call already ended
@@ -56,13 +64,36 @@ class StreamDetokenizer:
             self._open.add(sequence_id)
         return resp.text
 
+    @staticmethod
+    async def _exchange(call: grpc.aio.StreamStreamCall[tpb.DetokenizeStreamRequest, tpb.DetokenizeStreamResponse],
+                        request: tpb.DetokenizeStreamRequest) -> tpb.DetokenizeStreamResponse | object:
+        await call.write(request)
+        return await call.read()
+
     async def close(self) -> None:
         """Half-close after a normal end (the server then finishes the call)."""
         if self._call is not None and not self._call.done():
             with contextlib.suppress(grpc.aio.AioRpcError, grpc.aio.UsageError):
                 await self._call.done_writing()
 
-    def cancel(self) -> None:
-        """Drop the call (the request was cancelled or failed); synchronous, safe in `finally`."""
+    def abandon(self) -> None:
+        """The request ended early (cancelled or failed): let the call end in the background, after
+        its step in flight, by half-closing it; cancelled only if it outlives `close_timeout`.
+        Synchronous, safe in `finally`."""
         if self._call is not None and not self._call.done():
-            self._call.cancel()
+            self._background.spawn(self._finish(self._call, self._step))
+
+    async def _finish(self, call: grpc.aio.StreamStreamCall[tpb.DetokenizeStreamRequest, tpb.DetokenizeStreamResponse],
+                      step: asyncio.Future[object] | None) -> None:
+        async def drain() -> None:
+            if step is not None:
+                await asyncio.wait([step])
+            if not call.done():
+                with contextlib.suppress(grpc.aio.AioRpcError, grpc.aio.UsageError):
+                    await call.done_writing()
+                    while await call.read() is not grpc.aio.EOF:
+                        pass
+        try:
+            await asyncio.wait_for(drain(), self._close_timeout)
+        except TimeoutError:
+            call.cancel()

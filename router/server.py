@@ -56,6 +56,7 @@ from llmserve.v1 import tokenizer_pb2 as tpb
 from llmserve.v1 import tokenizer_pb2_grpc as tpb_grpc
 from llmserve.worker_protocol import sample_label
 from router.admission import ANONYMOUS, Admission
+from router.background import BackgroundCalls
 from router.detok import DetokenizeError, StreamDetokenizer
 from router.limits import RequestLimits, check_messages, check_sampling_limits, validate_model_name, validate_request_id
 from router.stops import StopStringMatcher
@@ -178,7 +179,8 @@ class _Run:
         self.interrupt_reason: str | None = None
         self.seqs = [_Seq(i, StopStringMatcher(plan.stops, plan.include_stop)) for i in range(plan.n)]
         self.detok = StreamDetokenizer(
-            router.tok_stub, plan.request_id, plan.skip_special_tokens, timeout=plan.remaining()
+            router.tok_stub, router.background, plan.request_id, plan.skip_special_tokens,
+            timeout=plan.remaining(), close_timeout=router.options.tokenizer_timeout,
         )
         self.first_response_at: float | None = None
 
@@ -366,7 +368,7 @@ class _Run:
             if clean:
                 await self.detok.close()
             else:
-                self.detok.cancel()
+                self.detok.abandon()
 
     async def _relay(self, call) -> AsyncIterator[pb.GenerateResponse]:
         """The worker's messages turned into client responses, until every sequence finished.
@@ -451,6 +453,7 @@ class RouterServicer:
         self._serving: bool | None = None
         self.admission = Admission(options.max_concurrent_requests, options.max_requests_per_client)
         self.runs: set[_Run] = set()  # attempts streaming from a worker now
+        self.background = BackgroundCalls()  # tokenizer calls left to finish by cancelled requests
         self.stopping = False
 
     def interrupt_all(self, reason: str) -> None:
@@ -469,6 +472,7 @@ class RouterServicer:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         await self.pool.close()
+        await self.background.wait(self.options.probe_timeout)
         await self.tok_channel.close()
 
     async def _tokenizer_loop(self) -> None:
@@ -539,7 +543,9 @@ class RouterServicer:
             min(timeout, self.options.tokenizer_timeout) if timeout is not None else self.options.tokenizer_timeout
         )
         try:
-            return await self.tok_stub.Encode(req, timeout=timeout, metadata=((REQUEST_ID_HEADER, request_id),))
+            return await self.background.shielded(
+                self.tok_stub.Encode(req, timeout=timeout, metadata=((REQUEST_ID_HEADER, request_id),))
+            )
         except grpc.aio.AioRpcError as exc:
             raise self._tokenizer_error(exc, field_prefix) from None
 
@@ -797,11 +803,11 @@ class RouterServicer:
             validate_model(request.model, facts)
             validate_token_ids(request.token_ids, facts, "token_ids")
             try:
-                resp = await self.tok_stub.Decode(
+                resp = await self.background.shielded(self.tok_stub.Decode(
                     tpb.DecodeRequest(token_ids=request.token_ids, skip_special_tokens=request.skip_special_tokens),
                     timeout=self.options.tokenizer_timeout,
                     metadata=((REQUEST_ID_HEADER, request_id),),
-                )
+                ))
             except grpc.aio.AioRpcError as exc:
                 raise self._tokenizer_error(exc, None) from None
             return pb.DetokenizeResponse(text=resp.text)

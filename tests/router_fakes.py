@@ -10,14 +10,19 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from smg_grpc_proto import sglang_scheduler_pb2 as spb
 from smg_grpc_proto import sglang_scheduler_pb2_grpc as spb_grpc
 
+from llmserve.grpc_server import ServiceHealth
+from llmserve.v1 import tokenizer_pb2_grpc as tpb_grpc
 from llmserve.worker_protocol import sample_label
 from router.client import AsyncRouterClient
 from router.server import RouterOptions, start_router
+from tokenizer_svc.server import SERVICE_NAME as TOKENIZER_SERVICE
+from tokenizer_svc.server import TokenizerServicer
 from tokenizer_svc.server import start_server as start_tokenizer
+from tokenizer_svc.tokenizer import ModelTokenizer
 
 TIMEOUT = 20.0
 
@@ -94,9 +99,56 @@ class FakeWorker(spb_grpc.SglangSchedulerServicer):
             await asyncio.sleep(self.step_s)
 
 
+class WatchedTokenizer(TokenizerServicer):
+    """The real tokenizer servicer, with Encode slowed by `encode_delay_s`, recording how each Encode
+    and DetokenizeStream call ended: "done" (answered / the client half-closed) or "cancelled"."""
+
+    def __init__(self, tok_dir: Path, encode_delay_s: float = 0.0):
+        super().__init__(ModelTokenizer.from_dir(tok_dir))
+        self.encode_delay_s = encode_delay_s
+        self.encodes: list[str] = []
+        self.streams: list[str] = []
+
+    async def Encode(self, request, context):  # noqa: N802
+        try:
+            await asyncio.sleep(self.encode_delay_s)
+            response = await super().Encode(request, context)
+        except asyncio.CancelledError:
+            self.encodes.append("cancelled")
+            raise
+        self.encodes.append("done")
+        return response
+
+    async def DetokenizeStream(self, request_iterator, context):  # noqa: N802
+        try:
+            async for resp in super().DetokenizeStream(request_iterator, context):
+                yield resp
+        except asyncio.CancelledError:
+            self.streams.append("cancelled")
+            raise
+        self.streams.append("done")
+
+
+async def _start_watched_tokenizer(servicer: TokenizerServicer) -> tuple[grpc.aio.Server, int]:
+    server = grpc.aio.server()
+    tpb_grpc.add_TokenizerServicer_to_server(servicer, server)
+    health = ServiceHealth(TOKENIZER_SERVICE)
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    await health.set_serving(True)
+    return server, port
+
+
 @contextlib.asynccontextmanager
-async def fake_cluster(tok_dir: Path, workers: list[FakeWorker], policy: str = "round_robin", **options):
-    tokenizer = await start_tokenizer(tok_dir, "127.0.0.1", 0)
+async def fake_cluster(tok_dir: Path, workers: list[FakeWorker], policy: str = "round_robin",
+                       tokenizer_servicer: TokenizerServicer | None = None, **options):
+    """`tokenizer_servicer`: serve the tokenizer with this servicer (e.g. a WatchedTokenizer)."""
+    if tokenizer_servicer is None:
+        tokenizer = await start_tokenizer(tok_dir, "127.0.0.1", 0)
+        tok_server, tok_port = tokenizer.server, tokenizer.port
+    else:
+        tok_server, tok_port = await _start_watched_tokenizer(tokenizer_servicer)
     servers, addrs = [], []
     for w in workers:
         server = grpc.aio.server()
@@ -104,7 +156,7 @@ async def fake_cluster(tok_dir: Path, workers: list[FakeWorker], policy: str = "
         addrs.append(f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}")
         await server.start()
         servers.append(server)
-    router = await start_router(RouterOptions(tokenizer=f"127.0.0.1:{tokenizer.port}", workers=addrs, policy=policy,
+    router = await start_router(RouterOptions(tokenizer=f"127.0.0.1:{tok_port}", workers=addrs, policy=policy,
                                               probe_interval=0.1, **options))
     client = AsyncRouterClient(f"127.0.0.1:{router.port}", timeout=TIMEOUT)
     try:
@@ -118,5 +170,5 @@ async def fake_cluster(tok_dir: Path, workers: list[FakeWorker], policy: str = "
         await router.stop(0)
         for s in servers:
             await s.stop(0)
-        await tokenizer.stop(0)
+        await tok_server.stop(0)
 

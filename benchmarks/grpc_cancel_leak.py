@@ -1,0 +1,124 @@
+"""grpc.aio's native-memory leak per cancelled call (grpc/grpc#43360), by how the call is awaited.
+
+A bare grpc.aio server in a child process (a 5 ms unary method and a 20-message stream) and a client
+here that starts calls and cancels the awaiting task 0-10 ms in, 16 at a time. Printed per mode: the
+client's and the server's anonymous RSS growth per cancelled call after a warm-up.
+
+    .venv/bin/python benchmarks/grpc_cancel_leak.py [CALLS]      # default 20000 per mode
+
+Modes: `unary_direct` awaits the call in the task that is cancelled (what a cancelled handler does
+to its Encode call); `unary_shielded` awaits it through asyncio.shield of its own task (what
+router/background.py does); `stream_direct` reads a server stream in the cancelled task.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+
+MODES = ("unary_direct", "unary_shielded", "stream_direct")
+
+
+def anonymous_mb(pid: int | str = "self") -> float:
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        for line in f:
+            if line.startswith("Anonymous:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+async def _unary(request: bytes, context) -> bytes:
+    await asyncio.sleep(0.005)
+    return b"x" * 64
+
+
+async def _stream(request: bytes, context):
+    for _ in range(20):
+        await asyncio.sleep(0.002)
+        yield b"y" * 32
+
+
+async def serve(port_file: str) -> None:
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("probe.Probe", {
+        "Unary": grpc.unary_unary_rpc_method_handler(_unary),
+        "Stream": grpc.unary_stream_rpc_method_handler(_stream),
+    }),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    Path(port_file).write_text(str(port))
+    await server.wait_for_termination()
+
+
+async def measure(mode: str, calls: int, port: int, server_pid: int) -> str:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        unary, stream = channel.unary_unary("/probe.Probe/Unary"), channel.unary_stream("/probe.Probe/Stream")
+        background: set[asyncio.Future[bytes]] = set()
+
+        async def one() -> None:
+            if mode == "unary_direct":
+                await unary(b"a", timeout=5)
+            elif mode == "unary_shielded":
+                task = asyncio.ensure_future(unary(b"a", timeout=5))
+                background.add(task)
+                task.add_done_callback(background.discard)
+                await asyncio.shield(task)
+            else:
+                async for _ in stream(b"a", timeout=5):
+                    pass
+
+        async def cancelled() -> None:
+            task = asyncio.ensure_future(one())
+            await asyncio.sleep(random.uniform(0, 0.01))
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
+                await task
+
+        async def rounds(n: int) -> None:
+            for _ in range(n // 16):
+                await asyncio.gather(*(cancelled() for _ in range(16)))
+            await asyncio.sleep(1.0)  # let the shielded calls finish
+
+        await rounds(500)  # warm-up
+        client0, server0 = anonymous_mb(), anonymous_mb(server_pid)
+        await rounds(calls)
+        client1, server1 = anonymous_mb(), anonymous_mb(server_pid)
+    per_call = 2**20 / calls
+    return (f"{mode:15s} {calls} cancels: client {(client1 - client0) * per_call:5.0f} B/call, "
+            f"server {(server1 - server0) * per_call:5.0f} B/call")
+
+
+def main() -> None:
+    if len(sys.argv) > 2 and sys.argv[1] == "--serve":
+        asyncio.run(serve(sys.argv[2]))
+        return
+    calls = int(sys.argv[1]) if len(sys.argv) > 1 else 20000
+    print(f"grpcio {grpc.__version__}")
+    for mode in MODES:
+        port_file = Path(tempfile.mkdtemp()) / "port"
+        server = subprocess.Popen([sys.executable, __file__, "--serve", str(port_file)])
+        try:
+            deadline = time.monotonic() + 30
+            while not (port_file.exists() and port_file.read_text()):
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the probe server did not start")
+                time.sleep(0.05)
+            print(asyncio.run(measure(mode, calls, int(port_file.read_text()), server.pid)), flush=True)
+        finally:
+            server.kill()
+            server.wait()
+            with contextlib.suppress(OSError):
+                os.unlink(port_file)
+
+
+if __name__ == "__main__":
+    main()
