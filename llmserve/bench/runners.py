@@ -17,10 +17,11 @@ if TYPE_CHECKING:  # the executor (and the model stack) is imported when a runne
 
 @contextmanager
 def open_runner(engine_config: EngineConfig, tp: int = 1, tp_init_addr: str | None = None,
-                threads: int | None = None, observer: CollectiveObserver | None = None) -> Iterator[StepRunner]:
+                threads: int | None = None, observer: CollectiveObserver | None = None,
+                tp_comm: str = "auto") -> Iterator[StepRunner]:
     """Yields a ModelRunner (tp == 1) or a LeaderRunner over rank 0 of ``tp`` ranks; stops and joins
     the followers and destroys the group on exit. ``observer`` sees the leader's collectives (a single
-    rank has none)."""
+    rank has none). ``tp_comm``: --tp-comm (parallel/group.py)."""
     from worker_svc.executor.model_runner import ModelRunner
 
     if tp < 1:
@@ -32,8 +33,8 @@ def open_runner(engine_config: EngineConfig, tp: int = 1, tp_init_addr: str | No
     from worker_svc.parallel.group import destroy_tp, free_port, init_tp, rank_device
 
     addr = tp_init_addr or f"127.0.0.1:{free_port()}"
-    followers = spawn_followers(tp, addr, [engine_config], threads=threads)
-    group = init_tp(0, tp, addr, engine_config.device, observer=observer)
+    followers = spawn_followers(tp, addr, [engine_config], threads=threads, comm=tp_comm)
+    group = init_tp(0, tp, addr, engine_config.device, observer=observer, comm=tp_comm)
     leader_failed = False
     try:
         engine_config = dataclasses.replace(engine_config, device=str(rank_device(engine_config.device, 0)))

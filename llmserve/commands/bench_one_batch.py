@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from llmserve.commands.engine_args import add_engine_args, engine_config_from_args
+from worker_svc.config.tp_comm import TP_COMM_CHOICES, TP_COMM_HELP
 
 if TYPE_CHECKING:  # torch is imported when the command runs, not when the CLI parses arguments
     from worker_svc.executor.step_runner import StepRunner
@@ -42,6 +43,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (per rank)")
     p.add_argument("--tp", "--tp-size", dest="tp", type=int, default=1,
                    help="tensor-parallel ranks: this process leads, N-1 followers are spawned")
+    p.add_argument("--tp-comm", choices=TP_COMM_CHOICES, default="auto", help=TP_COMM_HELP)
     p.add_argument("--tp-init-addr", default=None, metavar="HOST:PORT",
                    help="--tp: rendezvous address (default: a free port on 127.0.0.1)")
     p.add_argument("--profile-collectives", action="store_true",
@@ -63,7 +65,8 @@ def run(args: argparse.Namespace) -> int:
     # A single rank performs no collectives: nothing to profile.
     profiler = CollectiveProfiler(CollectiveRecorder()) if args.profile_collectives and args.tp > 1 else None
     observer = profiler.recorder if profiler is not None else None
-    with open_runner(engine, args.tp, args.tp_init_addr, args.threads, observer=observer) as runner:
+    with open_runner(engine, args.tp, args.tp_init_addr, args.threads, observer=observer,
+                     tp_comm=args.tp_comm) as runner:
         return correctness(runner, args) if args.correct else latency(runner, args, profiler)
 
 

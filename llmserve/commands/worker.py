@@ -36,6 +36,7 @@ from llmserve.arg_types import count, positive_seconds
 from llmserve.commands.engine_args import add_engine_args, engine_config_from_args
 from llmserve.logging import configure_logging
 from llmserve.security_args import add_server_args
+from worker_svc.config.tp_comm import TP_COMM_CHOICES, TP_COMM_HELP
 from worker_svc.config.tp_timeouts import TP_CONNECT_TIMEOUT_S, TP_SERVING_TIMEOUT_S
 
 if TYPE_CHECKING:
@@ -83,7 +84,7 @@ async def _serve(args: argparse.Namespace, security: ServerSecurity) -> int:
 
         return await serve_follower(
             config, rank, size, init_addr, args.host, args.port, args.tp_timeout, args.tp_connect_timeout,
-            args.shutdown_grace, listening, tp_secret,
+            args.shutdown_grace, listening, tp_secret, args.tp_comm,
         )
 
     leader = None
@@ -99,7 +100,7 @@ async def _serve(args: argparse.Namespace, security: ServerSecurity) -> int:
         if args.dist_init_addr is None:  # single-machine mode: this process starts the other ranks
             # Followers run steps too: the heap policy is theirs as well.
             shared = engine_argv(args, include_model=True) + [
-                "--log-level", args.log_level, "--tp-timeout", str(args.tp_timeout),
+                "--log-level", args.log_level, "--tp-timeout", str(args.tp_timeout), "--tp-comm", args.tp_comm,
                 "--shutdown-grace", str(args.shutdown_grace), f"--malloc-mmap-threshold={args.malloc_mmap_threshold}"]
             tp_secret = tp_secret or new_secret()
             # Spawned from this (the event loop's) thread, which lives as long as the process: the
@@ -109,7 +110,8 @@ async def _serve(args: argparse.Namespace, security: ServerSecurity) -> int:
                 env={**os.environ, **parent_death.child_env()}, preexec_fn=parent_death.die_with_parent_preexec())
         try:
             leader = await asyncio.to_thread(
-                TPLeader.start, config, size, init_addr, args.tp_timeout, args.tp_connect_timeout, children, tp_secret
+                TPLeader.start, config, size, init_addr, args.tp_timeout, args.tp_connect_timeout, children, tp_secret,
+                args.tp_comm,
             )
         except BaseException:
             for child in children:
@@ -349,6 +351,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         metavar="S",
         help="a dead or hung rank is detected within this many seconds (heartbeat and collective timeout)",
     )
+    t.add_argument("--tp-comm", choices=TP_COMM_CHOICES, default="auto", help=TP_COMM_HELP)
     t.add_argument(
         "--tp-connect-timeout",
         type=float,

@@ -26,6 +26,7 @@ from smg_grpc_proto import sglang_scheduler_pb2 as pb
 from smg_grpc_proto import sglang_scheduler_pb2_grpc as pb_grpc
 
 from tests.integration.conftest import WORKER_ENGINE, engine_cli_flags
+from worker_svc.parallel import shm_communicator
 from worker_svc.parallel.group import free_port
 from worker_svc.sampling import SamplingParams
 
@@ -136,14 +137,24 @@ def _wait_serving(ranks: list[Rank], timeout: float = 120.0) -> None:
         time.sleep(0.05)
 
 
+DEFAULT_COMM = "shm" if shm_communicator.available() is None else "gloo"
+
+
+def _segments() -> set[str]:
+    return {p.name for p in shm_communicator.SHM_DIR.glob("llmserve-tp-*")}
+
+
 @pytest.fixture
 def tp_ranks(worker_model, tmp_path):
-    """start(*leader_flags, timeout=...) -> [leader, follower], one process per rank (kills leftovers)."""
+    """start(*leader_flags, timeout=..., comm=...) -> [leader, follower], one process per rank (kills
+    leftovers); afterwards no shared-memory segment of theirs is left in /dev/shm."""
     started: list[Rank] = []
+    segments_before = _segments()
 
-    def start(*leader_flags: str, tp_timeout: float = 15.0) -> list[Rank]:
+    def start(*leader_flags: str, tp_timeout: float = 15.0, comm: str = DEFAULT_COMM) -> list[Rank]:
         addr = f"127.0.0.1:{free_port()}"
-        common = ("--tp-size", "2", "--dist-init-addr", addr, "--tp-timeout", str(tp_timeout), "--shutdown-grace", "1")
+        common = ("--tp-size", "2", "--dist-init-addr", addr, "--tp-timeout", str(tp_timeout), "--shutdown-grace", "1",
+                  "--tp-comm", comm)
         follower = _start_rank(worker_model, tmp_path, "rank1", *common, "--tp-rank", "1")
         leader = _start_rank(worker_model, tmp_path, "rank0", *common, "--tp-rank", "0", *leader_flags)
         started.extend([leader, follower])
@@ -159,6 +170,7 @@ def tp_ranks(worker_model, tmp_path):
                 rank.proc.wait(10)
         with contextlib.suppress(OSError):
             os.kill(rank.proc.pid, signal.SIGCONT)
+    assert _segments() <= segments_before, "a tp group left its shared-memory segment behind"
 
 
 def test_tp2_worker_matches_tp1_engine_and_frees_kv_on_cancel(worker_model, reference_engine, worker_process_factory):
@@ -177,6 +189,8 @@ def test_tp2_worker_matches_tp1_engine_and_frees_kv_on_cancel(worker_model, refe
             assert list(resp.complete.output_ids) == want
         info = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=10)
         assert info.server_args["tp_size"] == 2
+        assert info.server_args["tp_comm"] == DEFAULT_COMM  # --tp-comm auto: shared memory on one host
+        assert info.scheduler_info["tp_comm"] == DEFAULT_COMM
 
         # A client cancel mid-stream frees every KV slot again.
         call = stub.Generate(_request(prompts[0], 200, rid="cancel-me", stream=True), timeout=60)
@@ -233,12 +247,12 @@ def _generate_in_background(address: str, prompt: list[int], max_new: int):
     return first, result, thread
 
 
-@pytest.mark.parametrize("fault", ["kill", "hang"])
-def test_follower_fault_fails_in_flight_request_and_health(tp_ranks, fault):
+@pytest.mark.parametrize(("fault", "comm"), [("kill", DEFAULT_COMM), ("hang", DEFAULT_COMM), ("kill", "gloo")])
+def test_follower_fault_fails_in_flight_request_and_health(tp_ranks, fault, comm):
     # 50 ms per step: 200 tokens keep the request in flight for ~10 s.
     # --tp-fault-exit-delay inf: the leader stays up NOT_SERVING (checked below) instead of exiting.
     leader, follower = tp_ranks(
-        "--debug-step-delay", "0.05", "--tp-fault-exit-delay", "inf", tp_timeout=FAULT_TIMEOUT_S
+        "--debug-step-delay", "0.05", "--tp-fault-exit-delay", "inf", tp_timeout=FAULT_TIMEOUT_S, comm=comm
     )
     first, result, thread = _generate_in_background(leader.address, [5, 6, 7, 8], 200)
     assert first.wait(60)

@@ -10,17 +10,15 @@ extend on the cached prefix (logits at every token) and a decode.
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from tests.model_variants import with_biases
+from tests.ranks import on_ranks
 from tests.unit.oracle import encode_prompts
 from worker_svc.config.engine_config import EngineConfig
 from worker_svc.executor.model_runner import ModelRunner
@@ -53,31 +51,8 @@ def tp2() -> list[TPContext]:
         group = dist.ProcessGroupGloo(dist.PrefixStore("decoder_stages", store), rank, 2, TIMEOUT)
         contexts[rank] = TPContext(rank=rank, size=2, group=group, store=store)
 
-    _on_ranks(2, join)
+    on_ranks(2, join)
     return [contexts[0], contexts[1]]
-
-
-def _on_ranks(size: int, fn: Callable[[int], Any]) -> list[Any]:
-    """fn(rank) on one thread per rank (collectives need every rank at once); re-raises a rank's error."""
-    results: list[Any] = [None] * size
-    errors: list[BaseException] = []
-
-    def run(rank: int) -> None:
-        try:
-            with torch.inference_mode():  # thread-local, like the runner's
-                results[rank] = fn(rank)
-        except BaseException as exc:  # noqa: BLE001 - handed to the main thread
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(size)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    if errors:
-        raise errors[0]
-    return results
-
 
 def _batch(runner: ModelRunner, mode: ForwardMode, pieces: list[list[int]], rows: list[int], prefix_lens: list[int],
            all_logits: bool = False) -> ForwardBatch:
@@ -170,4 +145,4 @@ def test_stages_compose_to_forward_tp1(models, name):
 def test_stages_compose_to_forward_tp2(models, tp2, name):
     runners = [_runner(models[name], tp) for tp in tp2]  # loading needs no collectives
     prompts = _prompts(models[name])
-    assert _on_ranks(2, lambda rank: _check_steps(runners[rank], tp2[rank], prompts)) == [3, 3]
+    assert on_ranks(2, lambda rank: _check_steps(runners[rank], tp2[rank], prompts)) == [3, 3]

@@ -136,12 +136,13 @@ def run_follower(
     engine_configs: list[EngineConfig],
     threads: int | None = None,
     timeout_s: float | None = None,
+    comm: str = "auto",
 ) -> list[int]:
     """Entry point of a follower process: join the group, then for each ``EngineConfig`` in turn build
     this rank's runner and replay the leader's steps until STOP. Returns the steps run per config."""
     if threads:
         torch.set_num_threads(threads)
-    tp = init_tp(rank, size, init_addr, engine_configs[0].device, timeout_s or TP_UNWATCHED_TIMEOUT_S)
+    tp = init_tp(rank, size, init_addr, engine_configs[0].device, timeout_s or TP_UNWATCHED_TIMEOUT_S, comm=comm)
     steps = []
     try:
         for engine_config in engine_configs:
@@ -153,9 +154,9 @@ def run_follower(
 
 def _spawned_follower(
     index: int, size: int, init_addr: str, engine_configs: list[EngineConfig], threads: int | None,
-    timeout_s: float | None,
+    timeout_s: float | None, comm: str,
 ) -> None:
-    run_follower(index + 1, size, init_addr, engine_configs, threads, timeout_s)
+    run_follower(index + 1, size, init_addr, engine_configs, threads, timeout_s, comm)
 
 
 def spawn_followers(
@@ -164,10 +165,11 @@ def spawn_followers(
     engine_configs: list[EngineConfig],
     threads: int | None = None,
     timeout_s: float | None = None,
+    comm: str = "auto",
 ) -> mp.ProcessContext:
     """Start ranks 1..size-1 as spawned processes (the caller is rank 0); returns the process context
-    (``join()`` it after stopping the followers)."""
-    args = (size, init_addr, engine_configs, threads, timeout_s)
+    (``join()`` it after stopping the followers). ``comm``: --tp-comm (parallel/group.py)."""
+    args = (size, init_addr, engine_configs, threads, timeout_s, comm)
     context = mp.spawn(_spawned_follower, args=args, nprocs=size - 1, join=False)
     assert context is not None  # join=False always returns the context
     return context

@@ -8,6 +8,11 @@ Two timeouts: ``connect_timeout_s`` bounds the rendezvous and ``tp_barrier`` (ra
 their shards at different speeds), ``timeout_s`` bounds every collective afterwards, so a serving
 worker can keep it short (a dead or hung peer is an error within that bound, not a hang).
 
+The collectives travel through the group's communicator (``comm``, ``--tp-comm``): "auto" takes shared
+memory (parallel/shm_communicator.py) when every rank runs on this host and the CPU kernels load, and
+the process group otherwise; "shm" insists on shared memory; "gloo" keeps the process group. CUDA
+groups always use NCCL. The choice is logged and shown in GetServerInfo.
+
 The rendezvous store is torch's TCPStore, which has no authentication. torch's own master socket
 (libuv) listens on every interface whatever host it is given, so rank 0 binds the socket itself, to
 the init address's interface only (loopback for single-machine TP), and hands it to the store.
@@ -20,12 +25,19 @@ import os
 import socket
 from datetime import timedelta
 
+import structlog
 import torch
 import torch.distributed as dist
 
+from worker_svc.config.tp_comm import TP_COMM_CHOICES
 from worker_svc.config.tp_timeouts import TP_CONNECT_TIMEOUT_S, TP_UNWATCHED_TIMEOUT_S
+from worker_svc.parallel import shm_communicator
 from worker_svc.parallel.collective_observer import CollectiveObserver
+from worker_svc.parallel.communicator import Communicator
 from worker_svc.parallel.context import TPContext
+from worker_svc.parallel.fault import GroupFault
+
+log = structlog.get_logger(__name__)
 
 
 def backend_for(device: str | torch.device) -> str:
@@ -54,13 +66,18 @@ def init_tp(
     timeout_s: float = TP_UNWATCHED_TIMEOUT_S,
     connect_timeout_s: float | None = None,
     observer: CollectiveObserver | None = None,
+    comm: str = "auto",
+    shm_slot_bytes: int = shm_communicator.DEFAULT_SLOT_BYTES,
 ) -> TPContext:
     """Join the ``size``-rank group whose rank 0 listens on ``init_addr`` ("host:port").
 
     The rendezvous waits up to ``connect_timeout_s`` (default: the larger of ``timeout_s`` and
     TP_CONNECT_TIMEOUT_S) for every rank; every collective then fails after ``timeout_s``.
-    ``observer`` sees this rank's collectives (parallel/collective_observer.py).
+    ``observer`` sees this rank's collectives (parallel/collective_observer.py). ``comm``: "auto",
+    "shm" or "gloo" (see the module docstring).
     """
+    if comm not in TP_COMM_CHOICES:
+        raise ValueError(f"tp comm must be one of {', '.join(TP_COMM_CHOICES)}, got {comm!r}")
     if size == 1:
         return TPContext(observer=observer)
     if not 0 <= rank < size:
@@ -82,7 +99,62 @@ def init_tp(
     dist.init_process_group(
         backend, store=store, rank=rank, world_size=size, timeout=timedelta(seconds=timeout_s), device_id=device_id
     )
-    return TPContext(rank=rank, size=size, group=dist.group.WORLD, store=store, observer=observer)
+    fault = GroupFault()
+    chosen: Communicator | None = None
+    if backend == "nccl":
+        if comm == "shm":
+            raise ValueError("--tp-comm shm is for CPU groups; CUDA groups use NCCL")
+    elif comm != "gloo":
+        chosen = _shm_communicator(comm == "shm", rank, size, store, fault, timeout_s, shm_slot_bytes, connect)
+    tp = TPContext(rank=rank, size=size, group=dist.group.WORLD, store=store, observer=observer, comm=chosen,
+                   fault=fault)
+    log.info("tp group ready", tp_rank=rank, tp_size=size, tp_comm=tp.comm_kind)
+    return tp
+
+
+def host_identity() -> str:
+    """Equal on two ranks exactly when they share this host's /dev/shm (same boot, same mount: two
+    containers on one machine have different ones)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        info = os.stat(shm_communicator.SHM_DIR)
+    except OSError as exc:
+        return f"unknown:{socket.gethostname()}:{os.getpid()}:{exc.errno}"
+    return f"{boot}:{info.st_dev}:{info.st_ino}"
+
+
+def _shm_communicator(required: bool, rank: int, size: int, store: dist.Store, fault: GroupFault,
+                      timeout_s: float, slot_bytes: int, connect: timedelta) -> Communicator | None:
+    """The shared-memory communicator when every rank can use it (each says so through the store),
+    else None (the process group), or an error when ``required``."""
+    reason = shm_communicator.available()
+    store.set(f"llmserve/shm/host/{rank}", host_identity())
+    hosts = {store.get(f"llmserve/shm/host/{r}") for r in range(size)}
+    if reason is None and len(hosts) > 1:
+        reason = "the ranks are not all on this host"
+    store.set(f"llmserve/shm/verdict/{rank}", reason or "")
+    verdicts = [store.get(f"llmserve/shm/verdict/{r}").decode() for r in range(size)]
+    refusal = next((f"rank {r}: {v}" for r, v in enumerate(verdicts) if v), None)
+    if refusal is not None:
+        if required:
+            raise RuntimeError(f"--tp-comm shm: shared memory cannot be used ({refusal})")
+        log.info("tp comm: using the process group", reason=refusal)
+        return None
+    name = ""
+    try:
+        if rank == 0:
+            name, segment = shm_communicator.create_segment(size, slot_bytes)
+            store.set("llmserve/shm/name", name)
+        else:
+            name = store.get("llmserve/shm/name").decode()
+            segment = shm_communicator.attach_segment(name, size, slot_bytes)
+        _store_barrier(store, "shm-mapped", rank, size, connect)
+    finally:
+        # Mapped by every rank (or failed): the name is no longer needed, so nothing can be left behind.
+        if name:
+            shm_communicator.unlink_segment(name)
+    return shm_communicator.ShmCommunicator(segment, rank, size, slot_bytes, fault, timeout_s)
 
 
 def bind_address(host: str, port: int) -> tuple[socket.AddressFamily, tuple]:
@@ -140,6 +212,8 @@ def tp_barrier(tp: TPContext, name: str, timeout_s: float = TP_CONNECT_TIMEOUT_S
 
 
 def destroy_tp(tp: TPContext) -> None:
-    """Release the process group (no-op for a single rank or when already destroyed)."""
+    """Release the communicator and the process group (no-op for a single rank or when already destroyed)."""
+    if tp.comm is not None:
+        tp.comm.close()
     if tp.size > 1 and dist.is_initialized():
         dist.destroy_process_group()

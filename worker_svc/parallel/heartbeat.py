@@ -200,6 +200,7 @@ class LeaderHeartbeat:
             self.fault = reason
         log.error("tensor-parallel group failed", reason=reason)
         self._shutdown(ABORT)
+        self.tp.fault.set(reason)  # ends the communicator's waits at once (shared memory)
         self._on_fault(reason)
 
     def stopping(self) -> None:
@@ -318,6 +319,7 @@ class FollowerHeartbeat:
         if self._closing or self._fired:
             return
         self._fired = True
+        self.tp.fault.set(reason)
         self._on_fault(reason)
 
     def close(self) -> None:

@@ -389,6 +389,7 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
         args.update(
             served_model_name=self.options.served_model_name,
             tp_size=self.tp_size,
+            tp_comm=self.runner.tp.comm_kind,
             dp_size=1,
             pp_size=1,
             page_size=1,
@@ -414,6 +415,7 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
             "device": str(runner.device),
             "architecture": self.model_config.architecture,
             "tp_size": self.tp_size,
+            "tp_comm": self.runner.tp.comm_kind,
             "page_size": 1,
         }
 

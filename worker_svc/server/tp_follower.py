@@ -10,6 +10,7 @@ at once), it says NOT_SERVING and waits for the leader's STOP.
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import sys
 import threading
@@ -65,12 +66,15 @@ async def serve_follower(
     shutdown_grace_s: float = 5.0,
     on_listening: Callable[[int], None] | None = None,
     secret: bytes | None = None,
+    comm: str = "auto",
 ) -> int:
     """Rank ``rank`` > 0: replay the leader's steps until STOP, serving grpc.health.v1 on
     ``host:port`` (SERVING while the loop runs). Returns 0 after STOP; exits the process (code 1)
     when the leader dies or hangs. ``on_listening(port)`` runs once health is served. ``secret``:
-    the group's heartbeat secret (``None``: read the one the leader published in the store)."""
-    tp = await asyncio.to_thread(init_tp, rank, size, init_addr, config.device, timeout_s, connect_timeout_s)
+    the group's heartbeat secret (``None``: read the one the leader published in the store).
+    ``comm``: --tp-comm (parallel/group.py)."""
+    tp = await asyncio.to_thread(
+        functools.partial(init_tp, rank, size, init_addr, config.device, timeout_s, connect_timeout_s, comm=comm))
     group_secret: bytes = secret if secret is not None else await asyncio.to_thread(tp.rendezvous.get, SECRET_KEY)
     heartbeat = FollowerHeartbeat(tp, timeout_s, _die, group_secret)
     runner = await asyncio.to_thread(ModelRunner, rank_config(config, rank), tp)
@@ -96,7 +100,8 @@ async def serve_follower(
         return (thread.is_alive() and not done.is_set()), "follower loop"
 
     server, health, bound = await _start_health_server(host, port, liveness)
-    log.info("tp follower serving", tp_rank=rank, tp_size=size, health_address=grpc_address(host, bound))
+    log.info("tp follower serving", tp_rank=rank, tp_size=size, tp_comm=tp.comm_kind,
+             health_address=grpc_address(host, bound))
     if on_listening is not None:
         on_listening(bound)
 

@@ -71,12 +71,14 @@ class TPLeader:
         connect_timeout_s: float = TP_CONNECT_TIMEOUT_S,
         children: Sequence[subprocess.Popen] = (),
         secret: bytes | None = None,
+        comm: str = "auto",
     ) -> TPLeader:
         """Join as rank 0, load the shard, wait until every follower loaded and opened its heartbeat.
         ``children`` are follower processes this leader started (waited for at shutdown). ``secret``:
-        the group's heartbeat secret; ``None`` makes one and publishes it in the rendezvous store."""
+        the group's heartbeat secret; ``None`` makes one and publishes it in the rendezvous store.
+        ``comm``: --tp-comm (parallel/group.py)."""
         children = list(children)
-        tp = init_tp(0, size, init_addr, config.device, timeout_s, connect_timeout_s)
+        tp = init_tp(0, size, init_addr, config.device, timeout_s, connect_timeout_s, comm=comm)
         holder: list[TPLeader] = []
 
         def on_fault(reason: str) -> None:
@@ -104,7 +106,8 @@ class TPLeader:
         holder.append(leader)
         if heartbeat.fault is not None:  # a follower died between connecting and now
             leader._on_fault(heartbeat.fault)
-        log.info("tp leader ready", tp_size=size, tp_timeout_s=timeout_s, children=[c.pid for c in children])
+        log.info("tp leader ready", tp_size=size, tp_comm=tp.comm_kind, tp_timeout_s=timeout_s,
+                 children=[c.pid for c in children])
         return leader
 
     def engine_loop(self, before_step: Callable[[], None] | None = None) -> EngineLoop:
