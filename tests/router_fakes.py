@@ -96,6 +96,8 @@ class FakeWorker(spb_grpc.SglangSchedulerServicer):
                     if self.matched is not None:
                         complete.matched_token_id = self.matched
                     yield spb.GenerateResponse(request_id=rid, complete=complete)
+            if all(done):  # as a real worker: the call ends with its last sample
+                return
             await asyncio.sleep(self.step_s)
 
 
