@@ -39,6 +39,7 @@ from llmserve.commands.router import DEFAULT_ROUTER_PORT, POLICIES, add_limit_ar
 from llmserve.commands.worker import add_worker_limit_args, worker_limit_argv
 from llmserve.security_args import ServeSecurity, add_serve_args
 from llmserve.supervisor import Child, ChildFailed, RestartPolicy, Supervisor
+from worker_svc.config.tp_comm import TP_COMM_CHOICES, TP_COMM_HELP
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -50,6 +51,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     g.add_argument("--dp", type=int, default=1, metavar="M", help="data-parallel worker groups (default 1)")
     g.add_argument("--tp", type=int, default=1, metavar="N",
                    help="tensor-parallel ranks per worker group (each group's rank 0 starts its followers)")
+    g.add_argument("--tp-comm", choices=TP_COMM_CHOICES, default="auto", help=TP_COMM_HELP)
     g.add_argument("--host", default="127.0.0.1", help="address every process listens on (default 127.0.0.1)")
     g.add_argument("--port", type=int, default=DEFAULT_ROUTER_PORT,
                    help=f"the router's port (default {DEFAULT_ROUTER_PORT}; 0: any free port)")
@@ -188,7 +190,8 @@ def _run_cluster(args: argparse.Namespace, model: Path, log_dir: Path, stop: thr
     workers = [
         Child(f"worker {i}", py + ["worker", "--model", str(model), "--host", args.host, "--port", "0",
                                    "--port-file", str(log_dir / f"worker{i}.port"), "--served-model-name", served,
-                                   *(["--tp", str(args.tp)] if args.tp > 1 else []), *engine_argv(args),
+                                   *(["--tp", str(args.tp), "--tp-comm", args.tp_comm] if args.tp > 1 else []),
+                                   *engine_argv(args),
                                    *worker_limit_argv(args), *security.backend_argv(internal_token), *common],
               log_dir / f"worker{i}.log", log_dir / f"worker{i}.port", worker_env)
         for i in range(args.dp)

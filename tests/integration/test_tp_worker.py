@@ -140,16 +140,12 @@ def _wait_serving(ranks: list[Rank], timeout: float = 120.0) -> None:
 DEFAULT_COMM = "shm" if shm_communicator.available() is None else "gloo"
 
 
-def _segments() -> set[str]:
-    return {p.name for p in shm_communicator.SHM_DIR.glob("llmserve-tp-*")}
-
-
 @pytest.fixture
 def tp_ranks(worker_model, tmp_path):
     """start(*leader_flags, timeout=..., comm=...) -> [leader, follower], one process per rank (kills
     leftovers); afterwards no shared-memory segment of theirs is left in /dev/shm."""
     started: list[Rank] = []
-    segments_before = _segments()
+    segments_before = shm_communicator.segment_names()
 
     def start(*leader_flags: str, tp_timeout: float = 15.0, comm: str = DEFAULT_COMM) -> list[Rank]:
         addr = f"127.0.0.1:{free_port()}"
@@ -170,7 +166,7 @@ def tp_ranks(worker_model, tmp_path):
                 rank.proc.wait(10)
         with contextlib.suppress(OSError):
             os.kill(rank.proc.pid, signal.SIGCONT)
-    assert _segments() <= segments_before, "a tp group left its shared-memory segment behind"
+    assert shm_communicator.segment_names() <= segments_before, "a tp group left its shared-memory segment behind"
 
 
 def test_tp2_worker_matches_tp1_engine_and_frees_kv_on_cancel(worker_model, reference_engine, worker_process_factory):

@@ -29,10 +29,6 @@ ISAS = ["avx2"] + (["avx512"] if UNAVAILABLE is None and shm._ops().shm_has_avx5
 SIZES = [1, 3, 17, 1000, 1024, 16384, 65536 + 5, 2 * 1024 * 1024]  # elements: 4 B .. 8 MB at fp32
 
 
-def _segment_files() -> set[str]:
-    return {p.name for p in shm.SHM_DIR.glob("llmserve-tp-*")}
-
-
 def _communicators(size: int, isa: str = "auto", timeout_s: float = 30.0,
                    two_shot_bytes: int = shm.TWO_SHOT_BYTES) -> list[shm.ShmCommunicator]:
     name, first = shm.create_segment(size, SLOT)
@@ -162,6 +158,8 @@ def test_a_missing_peer_fails_within_the_timeout_and_poisons_the_segment() -> No
     assert comms[1].poisoned  # the peer's next wait fails at once
     with pytest.raises(shm.CollectiveFailed, match="group failed"):
         comms[1].all_reduce(torch.ones(8))
+    comms[1].close()
+    comms[1].fault.set("late fault (test)")  # after close: nothing left to poison, and no error
 
 
 def test_the_group_fault_ends_a_wait_at_once() -> None:
@@ -185,7 +183,7 @@ def test_the_group_fault_ends_a_wait_at_once() -> None:
 
 
 def test_segments_are_private_and_unlinked() -> None:
-    before = _segment_files()
+    before = shm.segment_names()
     name, _ = shm.create_segment(2, SLOT)
     path = shm.SHM_DIR / name
     assert path.stat().st_mode & 0o777 == 0o600
@@ -193,7 +191,7 @@ def test_segments_are_private_and_unlinked() -> None:
     assert other != name  # per-launch random names: two groups on one host never collide
     shm.unlink_segment(name)
     shm.unlink_segment(other)
-    assert _segment_files() == before
+    assert shm.segment_names() == before
     with pytest.raises(ValueError, match="segment name"):
         shm.attach_segment("../../etc/passwd", 2, SLOT)
 

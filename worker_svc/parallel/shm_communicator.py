@@ -87,6 +87,11 @@ def attach_segment(name: str, size: int, slot_bytes: int) -> torch.Tensor:
     return _map(path, size, slot_bytes)
 
 
+def segment_names() -> set[str]:
+    """The llmserve segments in /dev/shm now (a running group has none: they are unlinked at start)."""
+    return {path.name for path in SHM_DIR.glob("llmserve-tp-*")}
+
+
 def unlink_segment(name: str) -> None:
     (SHM_DIR / name).unlink(missing_ok=True)
 
@@ -212,7 +217,8 @@ class ShmCommunicator:
 
     def poison(self) -> None:
         """Make every rank's current and later waits on this segment fail at once."""
-        self._ops.shm_poison(self._segment, self.size, self.slot_bytes)
+        if self._segment.numel():  # not after close()
+            self._ops.shm_poison(self._segment, self.size, self.slot_bytes)
 
     @property
     def poisoned(self) -> bool:
