@@ -52,6 +52,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--mla-decode", choices=MLA_DECODE_MODES, default="absorbed",
                    help="MLA (DeepSeek-V2) decode: attend over cached latents with W_UK/W_UV absorbed, "
                    "or decompress them (normal)")
+    g.add_argument("--enable-two-batch-overlap", action="store_true",
+                   help="run large steps as two micro-batches, each one's tensor-parallel all-reduce "
+                   "overlapping the other's compute")
+    g.add_argument("--tbo-min-tokens", type=int, default=16, metavar="N",
+                   help="--enable-two-batch-overlap: split only steps of at least N tokens (default 16)")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -72,6 +77,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         quantize_lm_head=args.quantize_lm_head,
         cpu_quant_kernel=args.cpu_quant_kernel,
         mla_decode=getattr(args, "mla_decode", "absorbed"),
+        enable_two_batch_overlap=getattr(args, "enable_two_batch_overlap", False),
+        tbo_min_tokens=getattr(args, "tbo_min_tokens", 16),
     )
 
 

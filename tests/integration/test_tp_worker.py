@@ -147,10 +147,11 @@ def tp_ranks(worker_model, tmp_path):
     started: list[Rank] = []
     segments_before = shm_communicator.segment_names()
 
-    def start(*leader_flags: str, tp_timeout: float = 15.0, comm: str = DEFAULT_COMM) -> list[Rank]:
+    def start(*leader_flags: str, tp_timeout: float = 15.0, comm: str = DEFAULT_COMM,
+              overlap: bool = False) -> list[Rank]:
         addr = f"127.0.0.1:{free_port()}"
         common = ("--tp-size", "2", "--dist-init-addr", addr, "--tp-timeout", str(tp_timeout), "--shutdown-grace", "1",
-                  "--tp-comm", comm)
+                  "--tp-comm", comm, *(("--enable-two-batch-overlap", "--tbo-min-tokens", "2") if overlap else ()))
         follower = _start_rank(worker_model, tmp_path, "rank1", *common, "--tp-rank", "1")
         leader = _start_rank(worker_model, tmp_path, "rank0", *common, "--tp-rank", "0", *leader_flags)
         started.extend([leader, follower])
@@ -209,6 +210,30 @@ def test_tp2_worker_matches_tp1_engine_and_frees_kv_on_cancel(worker_model, refe
     _wait(lambda: all(_gone(pid) for pid in followers), 30, "rank 1 exits with its leader")
 
 
+def test_tp2_worker_with_two_batch_overlap_serves_concurrent_requests(worker_model, reference_engine,
+                                                                     worker_process_factory):
+    """--enable-two-batch-overlap on a TP=2 worker (shared memory when available): concurrent streams,
+    so steps hold several requests and get split, give the TP=1 engine's greedy tokens."""
+    worker = worker_process_factory(worker_model, "--tp", "2", "--enable-two-batch-overlap", "--tbo-min-tokens", "2")
+    prompts = [[(5 * i + 11 * j) % 500 for j in range(4 + 7 * i)] for i in range(4)]
+    params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    expected = [r.output_ids for r in reference_engine.generate(prompts, params)]
+    results: dict[int, list[int]] = {}
+
+    def run(i: int) -> None:
+        with grpc.insecure_channel(worker.address) as channel:
+            (resp,) = list(pb_grpc.SglangSchedulerStub(channel).Generate(_request(prompts[i], 12), timeout=60))
+            results[i] = list(resp.complete.output_ids)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(90)
+    assert [results.get(i) for i in range(len(prompts))] == expected
+    assert worker.terminate() == 0
+
+
 def test_sigterm_on_leader_ends_every_rank_with_0(tp_ranks):
     leader, follower = tp_ranks()
     assert _health(follower.address) == health_pb2.HealthCheckResponse.SERVING
@@ -243,22 +268,29 @@ def _generate_in_background(address: str, prompt: list[int], max_new: int):
     return first, result, thread
 
 
-@pytest.mark.parametrize(("fault", "comm"), [("kill", DEFAULT_COMM), ("hang", DEFAULT_COMM), ("kill", "gloo")])
-def test_follower_fault_fails_in_flight_request_and_health(tp_ranks, fault, comm):
+FAULT_CASES = [("kill", DEFAULT_COMM, False), ("hang", DEFAULT_COMM, False), ("kill", "gloo", False),
+               ("kill", DEFAULT_COMM, True)]  # the last with two-batch overlap: two requests, split steps
+
+
+@pytest.mark.parametrize(("fault", "comm", "overlap"), FAULT_CASES)
+def test_follower_fault_fails_in_flight_request_and_health(tp_ranks, fault, comm, overlap):
     # 50 ms per step: 200 tokens keep the request in flight for ~10 s.
     # --tp-fault-exit-delay inf: the leader stays up NOT_SERVING (checked below) instead of exiting.
     leader, follower = tp_ranks(
-        "--debug-step-delay", "0.05", "--tp-fault-exit-delay", "inf", tp_timeout=FAULT_TIMEOUT_S, comm=comm
+        "--debug-step-delay", "0.05", "--tp-fault-exit-delay", "inf", tp_timeout=FAULT_TIMEOUT_S, comm=comm,
+        overlap=overlap,
     )
-    first, result, thread = _generate_in_background(leader.address, [5, 6, 7, 8], 200)
-    assert first.wait(60)
-    assert "code" not in result  # still generating
+    calls = [_generate_in_background(leader.address, [5, 6, 7, 8 + i], 200) for i in range(2 if overlap else 1)]
+    for first, result, _ in calls:
+        assert first.wait(60)
+        assert "code" not in result  # still generating
     faulted = time.monotonic()
     os.kill(follower.proc.pid, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
-    thread.join(FAULT_TIMEOUT_S + SLACK_S + 30)
-    assert result.get("code") == grpc.StatusCode.UNAVAILABLE, (result, leader.tail())
     bound = (1.0 if fault == "kill" else FAULT_TIMEOUT_S) + SLACK_S
-    assert result["ended"] - faulted < bound, result["ended"] - faulted
+    for _, result, thread in calls:
+        thread.join(FAULT_TIMEOUT_S + SLACK_S + 30)
+        assert result.get("code") == grpc.StatusCode.UNAVAILABLE, (result, leader.tail())
+        assert result["ended"] - faulted < bound, result["ended"] - faulted
 
     not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
     assert _health(leader.address) == not_serving

@@ -50,6 +50,11 @@ class EngineConfig:
     # the query/output ("absorbed"), or by decompressing every cached latent ("normal", as extend does).
     mla_decode: str = "absorbed"
 
+    # Two-batch overlap (executor/two_batch.py): steps of at least tbo_min_tokens tokens and two or
+    # more requests run as two micro-batches whose all-reduces overlap the other's compute.
+    enable_two_batch_overlap: bool = False
+    tbo_min_tokens: int = 16
+
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype {self.dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
@@ -62,5 +67,7 @@ class EngineConfig:
             raise ValueError(f"--cpu-quant-kernel must be one of {', '.join(CPU_QUANT_KERNELS)}")
         if self.mla_decode not in MLA_DECODE_MODES:
             raise ValueError(f"--mla-decode must be one of {', '.join(MLA_DECODE_MODES)}")
+        if self.tbo_min_tokens < 2:
+            raise ValueError("--tbo-min-tokens must be at least 2 (a split needs two micro-batches)")
         if self.max_total_tokens is not None and self.max_total_tokens <= 0:
             raise ValueError("--max-total-tokens must be positive")

@@ -26,11 +26,13 @@ from worker_svc.executor.quantize import (
     parse_quant_config,
     quantize_model,
 )
+from worker_svc.executor.two_batch import forward_two_batch, split_step
 from worker_svc.forward_batch import ForwardBatch, ForwardMode, StepInput
 from worker_svc.kvcache import KVCache
 from worker_svc.kvcache.sizing import KVBudget, KVLayout, MHALayout, MLALayout, build_kv_cache
 from worker_svc.layers.embedding import ParallelLMHead
 from worker_svc.layers.linear import KernelLinear
+from worker_svc.models.decoder import CausalLM
 from worker_svc.models.registry import model_class
 from worker_svc.parallel.context import TPContext
 
@@ -101,6 +103,12 @@ class ModelRunner:
             engine_config, quant, self.model_config.deepseek is not None, self.device, self.dtype
         )
         self.model = self._load_model(quant, self.kernels)
+        # Two-batch overlap drives the decoder's stages itself (executor/two_batch.py).
+        self._staged: CausalLM | None = None
+        if engine_config.enable_two_batch_overlap:
+            if not isinstance(self.model, CausalLM):
+                raise ValueError("--enable-two-batch-overlap needs a decoder model (models/decoder.py CausalLM)")
+            self._staged = self.model
         self.kv = self._build_kv_cache()
         self.attn_backend = attention_backend(self.kernels)
 
@@ -168,6 +176,15 @@ class ModelRunner:
         """Run one step; float32 logits [batch, vocab] at each request's final token, or
         [tokens, vocab] at every new token when ``step.all_logits``."""
         self._record_slots(step)
+        halves = split_step(step, self.engine_config.tbo_min_tokens) if self._staged is not None else None
+        if halves is not None:
+            assert self._staged is not None
+            first, second = (self._prepared(half) for half in halves)
+            return forward_two_batch(self._staged, self.tp, first, second)
+        return self.model(self._prepared(step))
+
+    def _prepared(self, step: StepInput) -> ForwardBatch:
+        """The step's ForwardBatch with its attention metadata (one per micro-batch under overlap)."""
         batch = ForwardBatch(
             mode=step.mode,
             input_ids=step.input_ids,
@@ -182,4 +199,4 @@ class ModelRunner:
             all_logits=step.all_logits,
         )
         self.attn_backend.prepare(batch)
-        return self.model(batch)
+        return batch

@@ -20,6 +20,7 @@ cache or gRPC code lives here: the TPContext is handed in, attention goes throug
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import cast
 
 import torch
 from torch import nn
@@ -83,6 +84,10 @@ class DecoderModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def decoder_layers(self) -> list[DecoderLayer]:
+        """The layers, typed (an nn.ModuleList yields plain Modules)."""
+        return cast("list[DecoderLayer]", list(self.layers))
 
     def embed(self, batch: ForwardBatch) -> tuple[torch.Tensor, Rope]:
         """-> (token embeddings [tokens, hidden], reduced over the vocab shards; rope for the positions)."""

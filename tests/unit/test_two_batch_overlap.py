@@ -1,0 +1,244 @@
+"""Two-batch overlap (worker_svc/executor/two_batch.py): the split is a pure, balanced cut between
+requests; overlap on gives overlap off's fp32 logits (within 1e-4, see ATOL) and greedy tokens at TP=1 and at
+TP=2 on shared memory and on gloo, for Llama and DeepSeek-V2 (MLA, MoE), over chunked prefill with
+requests sitting steps out and decode; an engine with requests joining and finishing in mixed steps
+produces the same tokens; and the collective observer's timestamps prove the overlap: in every layer
+A's all-reduce was issued before B's stage began and waited on only after it ended.
+
+TP=2 ranks are threads of this process (tests/ranks.py), each with its own gloo group and its own
+mapping of one shared-memory segment.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from llmserve.bench.driver import StaticBatch
+from tests.ranks import on_ranks
+from tests.unit.oracle import encode_prompts
+from worker_svc.config.engine_config import EngineConfig
+from worker_svc.engine.engine import Engine
+from worker_svc.executor.model_runner import ModelRunner
+from worker_svc.executor.two_batch import split_step
+from worker_svc.forward_batch import ForwardMode, StepInput
+from worker_svc.models.decoder import CausalLM
+from worker_svc.parallel import shm_communicator as shm
+from worker_svc.parallel.collective_observer import CollectiveRecorder
+from worker_svc.parallel.context import TPContext
+from worker_svc.parallel.fault import GroupFault
+from worker_svc.parallel.group import free_port, open_store
+from worker_svc.sampling import SamplingParams
+
+TIMEOUT = timedelta(seconds=60)
+# A micro-batch's GEMMs have fewer rows than the whole step's, and the BLAS picks other kernels for
+# them, so they round differently: measured 1.2e-5..5.4e-5 per step on logits up to 62 (<= 7 fp32
+# ulps), from the first chunk on and not growing over 40 steps. Bound: the TP oracle tests' 1e-4.
+ATOL = 1e-4
+COMMS = ["gloo"] + (["shm"] if shm.available() is None else [])
+
+
+@pytest.fixture(scope="module")
+def models(model_factory) -> dict[str, Path]:
+    return {"llama": model_factory("tiny"), "deepseek_v2": model_factory("tiny", arch="deepseek_v2")}
+
+
+def _tp2(comm: str, observer: CollectiveRecorder | None = None) -> list[TPContext]:
+    """Two ranks' contexts (threads): a gloo group each, and with "shm" a shared segment's communicators."""
+    port = free_port()
+    comms: list[shm.ShmCommunicator | None] = [None, None]
+    if comm == "shm":
+        name, first = shm.create_segment(2, shm.DEFAULT_SLOT_BYTES)
+        second = shm.attach_segment(name, 2, shm.DEFAULT_SLOT_BYTES)
+        shm.unlink_segment(name)
+        comms = [shm.ShmCommunicator(seg, r, 2, shm.DEFAULT_SLOT_BYTES, GroupFault(), 60.0)
+                 for r, seg in enumerate((first, second))]
+
+    def join(rank: int) -> TPContext:
+        store = open_store("127.0.0.1", port, 2, rank == 0, TIMEOUT)
+        group = dist.ProcessGroupGloo(dist.PrefixStore("tbo", store), rank, 2, TIMEOUT)
+        return TPContext(rank=rank, size=2, group=group, store=store, comm=comms[rank],
+                         observer=observer if rank == 0 else None)
+
+    return on_ranks(2, join)
+
+
+def _runner(model_dir: Path, tp: TPContext, overlap: bool) -> ModelRunner:
+    engine = EngineConfig(model_path=str(model_dir), dtype="float32", max_total_tokens=1024, max_running_requests=8,
+                          enable_two_batch_overlap=overlap, tbo_min_tokens=2)
+    return ModelRunner(engine, tp)
+
+
+def _drive(runner: ModelRunner, prompts: list[list[int]], chunk: int = 5, decode_steps: int = 6):
+    """Chunked prefill (prompts already done sit later steps out), then greedy decode; returns every
+    step's logits and the generated tokens."""
+    batch = StaticBatch(runner, len(prompts))
+    logits_seen, tokens = [], [[] for _ in prompts]
+    try:
+        last: list[torch.Tensor | None] = [None] * len(prompts)
+        for start in range(0, max(len(p) for p in prompts), chunk):
+            live = [i for i, p in enumerate(prompts) if start < len(p)]
+            logits = batch.extend([prompts[i][start:start + chunk] for i in live], only=live)
+            logits_seen.append(logits)
+            for j, i in enumerate(live):
+                last[i] = logits[j]
+        current = torch.stack([t for t in last if t is not None])
+        for _ in range(decode_steps):
+            next_ids = current.argmax(dim=-1)
+            for i, t in enumerate(next_ids.tolist()):
+                tokens[i].append(t)
+            current = batch.decode(next_ids)
+            logits_seen.append(current)
+    finally:
+        batch.release()
+    return logits_seen, tokens
+
+
+def _prompts(model_dir: Path) -> list[list[int]]:
+    prompts = encode_prompts(model_dir)
+    return [prompts[0][:3], *prompts[1:4], prompts[4] * 2]  # uneven lengths: some sit steps out
+
+
+def _step(extend: list[int], seq: list[int]) -> StepInput:
+    tokens = sum(extend)
+    return StepInput(
+        mode=ForwardMode.EXTEND if max(extend) > 1 else ForwardMode.DECODE,
+        input_ids=torch.arange(tokens), positions=torch.arange(tokens), out_slots=torch.arange(tokens),
+        req_rows=torch.arange(len(extend)), seq_lens=seq, prefix_lens=[s - e for s, e in zip(seq, extend, strict=True)],
+    )
+
+
+def test_split_is_a_balanced_cut_between_whole_requests() -> None:
+    decode = _step([1] * 6, [10, 10, 10, 10, 10, 10])
+    a, b = split_step(decode, min_tokens=2)
+    assert a.req_rows.tolist() == [0, 1, 2] and b.req_rows.tolist() == [3, 4, 5]
+    assert a.input_ids.tolist() == [0, 1, 2] and b.input_ids.tolist() == [3, 4, 5]
+    # Long contexts weigh their attention: one request with a 40k context balances three short ones.
+    skewed = split_step(_step([1] * 4, [40000, 100, 100, 100]), min_tokens=2)
+    assert skewed[0].req_rows.tolist() == [0] and skewed[1].seq_lens == [100, 100, 100]
+    # Extend: balanced by tokens, tokens sliced with their requests.
+    a, b = split_step(_step([30, 10, 10, 10], [30, 12, 14, 10]), min_tokens=2)
+    assert a.req_rows.tolist() == [0] and a.input_ids.numel() == 30 and b.input_ids.tolist() == list(range(30, 60))
+    assert b.prefix_lens == [2, 4, 0] and a.mode is b.mode is ForwardMode.EXTEND
+    assert split_step(_step([1], [5]), min_tokens=2) is None  # one request
+    assert split_step(_step([1] * 8, [5] * 8), min_tokens=16) is None  # under --tbo-min-tokens
+    def described(halves):
+        return [(h.req_rows.tolist(), h.input_ids.tolist(), h.seq_lens, h.prefix_lens) for h in halves]
+
+    assert described(split_step(decode, min_tokens=2)) == described(split_step(decode, min_tokens=2))  # pure
+
+
+@pytest.mark.parametrize("name", ["llama", "deepseek_v2"])
+def test_overlap_matches_sequential_at_tp1(models, name):
+    prompts = _prompts(models[name])
+    off_logits, off_tokens = _drive(_runner(models[name], TPContext(), False), prompts)
+    on_logits, on_tokens = _drive(_runner(models[name], TPContext(), True), prompts)
+    assert on_tokens == off_tokens
+    for on, off in zip(on_logits, off_logits, strict=True):
+        torch.testing.assert_close(on, off, rtol=0, atol=ATOL)
+
+
+@pytest.mark.parametrize("comm", COMMS)
+@pytest.mark.parametrize("name", ["llama", "deepseek_v2"])
+def test_overlap_matches_sequential_at_tp2(models, name, comm):
+    prompts = _prompts(models[name])
+    results = {}
+    for overlap in (False, True):
+        tps = _tp2(comm)
+        runners = [_runner(models[name], tp, overlap) for tp in tps]
+        results[overlap] = on_ranks(2, lambda rank, runners=runners: _drive(runners[rank], prompts))
+    for rank in range(2):
+        (off_logits, off_tokens), (on_logits, on_tokens) = results[False][rank], results[True][rank]
+        assert on_tokens == off_tokens
+        for on, off in zip(on_logits, off_logits, strict=True):
+            torch.testing.assert_close(on, off, rtol=0, atol=ATOL)
+
+
+@pytest.mark.parametrize("name", ["llama", "deepseek_v2"])
+def test_engine_with_requests_joining_and_finishing_gives_the_same_tokens(models, name):
+    """Mixed steps (chunked prefill beside decodes), two running at a time so requests join as others
+    finish, different lengths: the same greedy tokens with overlap on."""
+    prompts = encode_prompts(models[name])[:5]
+    params = [SamplingParams(max_new_tokens=4 + 3 * i, temperature=0.0, ignore_eos=True) for i in range(len(prompts))]
+    outputs = {}
+    for overlap in (False, True):
+        config = EngineConfig(model_path=str(models[name]), dtype="float32", max_total_tokens=1024,
+                              max_running_requests=3, chunked_prefill_size=8, max_prefill_tokens=8,
+                              enable_two_batch_overlap=overlap, tbo_min_tokens=2)
+        outputs[overlap] = [r.output_ids for r in Engine(config).generate(prompts, params)]
+    assert outputs[True] == outputs[False]
+    assert [len(o) for o in outputs[True]] == [4 + 3 * i for i in range(len(prompts))]
+
+
+def test_observer_timestamps_prove_the_overlap(models):
+    """Every layer of a TP=2 decode step: A's all-reduce (attention and MLP) was issued before B's
+    stage began and waited on only after B's stage ended."""
+    comm = COMMS[-1]
+    recorder = CollectiveRecorder()
+    tps = _tp2(comm, observer=recorder)
+    runners = [_runner(models["llama"], tp, True) for tp in tps]
+    lm = runners[0].model
+    assert isinstance(lm, CausalLM)
+    stages: list[tuple[str, int, int]] = []  # (stage, start_ns, end_ns) on rank 0, in call order
+    starts: dict[str, int] = {}
+
+    def timed(kind: str):
+        def pre(module, args):
+            starts[kind] = time.perf_counter_ns()
+
+        def post(module, args, out):
+            stages.append((kind, starts.pop(kind), time.perf_counter_ns()))
+
+        return pre, post
+
+    for layer in lm.model.decoder_layers():
+        for kind, module in (("attention", layer.self_attn), ("mlp", layer.mlp)):
+            pre, post = timed(kind)
+            module.register_forward_pre_hook(pre)
+            module.register_forward_hook(post)
+    prompts = [p[:6] for p in encode_prompts(models["llama"])[:4]]
+
+    def one_decode_step(rank: int) -> None:
+        batch = StaticBatch(runners[rank], len(prompts))
+        try:
+            logits = batch.extend(prompts)
+            if rank == 0:
+                recorder.clear()
+                stages.clear()
+            batch.decode(logits.argmax(dim=-1))
+        finally:
+            batch.release()
+
+    on_ranks(2, one_decode_step)
+    layers = len(lm.model.decoder_layers())
+    reduces = [r for r in recorder.records if r.op == "all_reduce" and r.async_op]
+    reduces.sort(key=lambda r: r.issue_ns)
+    assert len(reduces) == 4 * layers and len(stages) == 4 * layers
+    for i in range(layers):
+        a_attn, b_attn, a_mlp, b_mlp = reduces[4 * i: 4 * i + 4]
+        (k1, _, _), (k2, b_attn_start, b_attn_end), (k3, _, _), (k4, b_mlp_start, b_mlp_end) = stages[4 * i: 4 * i + 4]
+        assert (k1, k2, k3, k4) == ("attention", "attention", "mlp", "mlp")
+        assert a_attn.issue_ns < b_attn_start and a_attn.wait_ns >= b_attn_end, f"layer {i} attention"
+        assert a_mlp.issue_ns < b_mlp_start and a_mlp.wait_ns >= b_mlp_end, f"layer {i} mlp"
+        assert b_attn.issue_ns >= b_attn_end and b_mlp.issue_ns >= b_mlp_end
+
+
+def test_flags_reach_the_engine_config() -> None:
+    import argparse
+
+    from llmserve.commands.engine_args import add_engine_args, engine_argv, engine_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = parser.parse_args(["--model", "m", "--enable-two-batch-overlap", "--tbo-min-tokens", "64"])
+    config = engine_config_from_args(args)
+    assert config.enable_two_batch_overlap and config.tbo_min_tokens == 64
+    assert "--enable-two-batch-overlap" in engine_argv(args) and "64" in engine_argv(args)  # to followers too
+    with pytest.raises(ValueError, match="tbo-min-tokens"):
+        dataclasses.replace(config, tbo_min_tokens=1)
