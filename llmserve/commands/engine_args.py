@@ -55,8 +55,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-two-batch-overlap", action="store_true",
                    help="run large steps as two micro-batches, each one's tensor-parallel all-reduce "
                    "overlapping the other's compute")
-    g.add_argument("--tbo-min-tokens", type=int, default=16, metavar="N",
-                   help="--enable-two-batch-overlap: split only steps of at least N tokens (default 16)")
+    g.add_argument("--tbo-min-tokens", type=int, default=1024, metavar="N",
+                   help="--enable-two-batch-overlap: split only steps of at least N tokens (default 1024: on "
+                   "the CPU a split decode reads every weight twice, docs/benchmarks.md)")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -78,7 +79,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         cpu_quant_kernel=args.cpu_quant_kernel,
         mla_decode=getattr(args, "mla_decode", "absorbed"),
         enable_two_batch_overlap=getattr(args, "enable_two_batch_overlap", False),
-        tbo_min_tokens=getattr(args, "tbo_min_tokens", 16),
+        tbo_min_tokens=getattr(args, "tbo_min_tokens", 1024),
     )
 
 

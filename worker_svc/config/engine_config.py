@@ -51,9 +51,10 @@ class EngineConfig:
     mla_decode: str = "absorbed"
 
     # Two-batch overlap (executor/two_batch.py): steps of at least tbo_min_tokens tokens and two or
-    # more requests run as two micro-batches whose all-reduces overlap the other's compute.
+    # more requests run as two micro-batches whose all-reduces overlap the other's compute. The default
+    # keeps decode whole: a split decode reads every weight twice, which costs more than it hides here.
     enable_two_batch_overlap: bool = False
-    tbo_min_tokens: int = 16
+    tbo_min_tokens: int = 1024
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -1,0 +1,30 @@
+"""benchmarks/gpu/tbo_check.sh, the prepared GPU check of the two-batch overlap, run here on the CPU
+(DEVICE=cpu, tiny model, small sizes): its device selection and flags work, its HF oracle step passes
+with overlap on, and it skips the TP=2 part without two GPUs. On a CUDA machine it runs as written."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu" / "tbo_check.sh"
+
+
+def test_the_gpu_check_runs_its_cpu_parts() -> None:
+    env = {**os.environ, "DEVICE": "cpu", "TBO_QUICK": "1", "TBO_PRESET": "tiny", "PYTHON": sys.executable,
+           "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=300)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-3000:]
+    assert "== device cpu, GPUs 0" in out
+    assert "Correctness check: PASSED" in out
+    assert out.count("median latency") >= 4  # TP=1 off and on, two batch sizes each
+    assert "== 3. TP=2 skipped: 0 GPU(s)" in out
+
+
+def test_the_gpu_check_refuses_a_machine_without_cuda() -> None:
+    env = {**os.environ, "PYTHON": sys.executable, "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run(["bash", str(SCRIPT), "/nonexistent"], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "no CUDA device visible" in done.stdout
