@@ -105,40 +105,55 @@ def _prompts(model_dir: Path) -> list[list[int]]:
     return [prompts[0][:3], *prompts[1:4], prompts[4] * 2]  # uneven lengths: some sit steps out
 
 
+def _long_prompt(model_dir: Path) -> list[list[int]]:
+    """One request alone, prefilled 40 tokens a step: every prefill step is cut inside it."""
+    return [[t for p in encode_prompts(model_dir) for t in p][:120]]
+
+
 def _step(extend: list[int], seq: list[int]) -> StepInput:
-    tokens = sum(extend)
+    prefix = [s - e for s, e in zip(seq, extend, strict=True)]
+    positions = [p for pre, s in zip(prefix, seq, strict=True) for p in range(pre, s)]
+    tokens = len(positions)
     return StepInput(
         mode=ForwardMode.EXTEND if max(extend) > 1 else ForwardMode.DECODE,
-        input_ids=torch.arange(tokens), positions=torch.arange(tokens), out_slots=torch.arange(tokens),
-        req_rows=torch.arange(len(extend)), seq_lens=seq, prefix_lens=[s - e for s, e in zip(seq, extend, strict=True)],
+        input_ids=torch.arange(tokens), positions=torch.tensor(positions), out_slots=torch.arange(tokens),
+        req_rows=torch.arange(len(extend)), seq_lens=seq, prefix_lens=prefix,
     )
 
 
-def test_split_is_a_balanced_cut_between_whole_requests() -> None:
-    decode = _step([1] * 6, [10, 10, 10, 10, 10, 10])
-    a, b = split_step(decode, min_tokens=2)
-    assert a.req_rows.tolist() == [0, 1, 2] and b.req_rows.tolist() == [3, 4, 5]
-    assert a.input_ids.tolist() == [0, 1, 2] and b.input_ids.tolist() == [3, 4, 5]
-    # Long contexts weigh their attention: one request with a 40k context balances three short ones.
+def _described(split) -> list[tuple]:
+    return [(h.req_rows.tolist(), h.input_ids.tolist(), h.seq_lens, h.prefix_lens) for h in (split.first, split.second)]
+
+
+def test_split_balances_cost_and_cuts_a_long_request_in_two() -> None:
+    decode = split_step(_step([1] * 6, [10] * 6), min_tokens=2)
+    assert _described(decode) == [([0, 1, 2], [0, 1, 2], [10] * 3, [9] * 3), ([3, 4, 5], [3, 4, 5], [10] * 3, [9] * 3)]
+    assert not decode.cut_request
+    # A long context weighs its attention: one request with a 40k context balances three short ones.
     skewed = split_step(_step([1] * 4, [40000, 100, 100, 100]), min_tokens=2)
-    assert skewed[0].req_rows.tolist() == [0] and skewed[1].seq_lens == [100, 100, 100]
-    # Extend: balanced by tokens, tokens sliced with their requests.
-    a, b = split_step(_step([30, 10, 10, 10], [30, 12, 14, 10]), min_tokens=2)
-    assert a.req_rows.tolist() == [0] and a.input_ids.numel() == 30 and b.input_ids.tolist() == list(range(30, 60))
-    assert b.prefix_lens == [2, 4, 0] and a.mode is b.mode is ForwardMode.EXTEND
-    assert split_step(_step([1], [5]), min_tokens=2) is None  # one request
+    assert skewed.first.req_rows.tolist() == [0] and skewed.second.seq_lens == [100, 100, 100]
+    # One long extend: cut inside it, later tokens (more context each) on the shorter side; B attends to A's part.
+    (long,) = [split_step(_step([1000], [1000]), min_tokens=2)]
+    assert long.cut_request and long.first.req_rows.tolist() == long.second.req_rows.tolist() == [0]
+    head = long.first.input_ids.numel()
+    assert 500 < head < 1000 - 1 and long.first.seq_lens == [head] and long.first.prefix_lens == [0]
+    assert long.second.prefix_lens == [head] and long.second.seq_lens == [1000]
+    assert long.second.positions[0].item() == head
+    # Several requests with the cut inside the second: it appears in both halves.
+    mixed = split_step(_step([10, 300, 5], [10, 300, 5]), min_tokens=2)
+    assert mixed.cut_request and mixed.first.req_rows.tolist() == [0, 1] and mixed.second.req_rows.tolist() == [1, 2]
+    assert mixed.first.input_ids.numel() + mixed.second.input_ids.numel() == 315
+    assert split_step(_step([1], [5]), min_tokens=2) is None  # one token
     assert split_step(_step([1] * 8, [5] * 8), min_tokens=16) is None  # under --tbo-min-tokens
-    def described(halves):
-        return [(h.req_rows.tolist(), h.input_ids.tolist(), h.seq_lens, h.prefix_lens) for h in halves]
-
-    assert described(split_step(decode, min_tokens=2)) == described(split_step(decode, min_tokens=2))  # pure
+    assert _described(split_step(_step([40, 9], [90, 9]), 2)) == _described(split_step(_step([40, 9], [90, 9]), 2))
 
 
+@pytest.mark.parametrize("shape", ["requests", "one_long"])
 @pytest.mark.parametrize("name", ["llama", "deepseek_v2"])
-def test_overlap_matches_sequential_at_tp1(models, name):
-    prompts = _prompts(models[name])
-    off_logits, off_tokens = _drive(_runner(models[name], TPContext(), False), prompts)
-    on_logits, on_tokens = _drive(_runner(models[name], TPContext(), True), prompts)
+def test_overlap_matches_sequential_at_tp1(models, name, shape):
+    prompts, chunk = (_prompts(models[name]), 5) if shape == "requests" else (_long_prompt(models[name]), 40)
+    off_logits, off_tokens = _drive(_runner(models[name], TPContext(), False), prompts, chunk)
+    on_logits, on_tokens = _drive(_runner(models[name], TPContext(), True), prompts, chunk)
     assert on_tokens == off_tokens
     for on, off in zip(on_logits, off_logits, strict=True):
         torch.testing.assert_close(on, off, rtol=0, atol=ATOL)
@@ -147,12 +162,12 @@ def test_overlap_matches_sequential_at_tp1(models, name):
 @pytest.mark.parametrize("comm", COMMS)
 @pytest.mark.parametrize("name", ["llama", "deepseek_v2"])
 def test_overlap_matches_sequential_at_tp2(models, name, comm):
-    prompts = _prompts(models[name])
+    prompts = _prompts(models[name]) + _long_prompt(models[name])  # the long one gets cut in prefill
     results = {}
     for overlap in (False, True):
         tps = _tp2(comm)
         runners = [_runner(models[name], tp, overlap) for tp in tps]
-        results[overlap] = on_ranks(2, lambda rank, runners=runners: _drive(runners[rank], prompts))
+        results[overlap] = on_ranks(2, lambda rank, runners=runners: _drive(runners[rank], prompts, chunk=40))
     for rank in range(2):
         (off_logits, off_tokens), (on_logits, on_tokens) = results[False][rank], results[True][rank]
         assert on_tokens == off_tokens
@@ -242,3 +257,19 @@ def test_flags_reach_the_engine_config() -> None:
     assert "--enable-two-batch-overlap" in engine_argv(args) and "64" in engine_argv(args)  # to followers too
     with pytest.raises(ValueError, match="tbo-min-tokens"):
         dataclasses.replace(config, tbo_min_tokens=1)
+
+
+@pytest.mark.parametrize("name", ["llama", "deepseek_v2"])
+def test_every_position_logits_of_a_cut_request(models, name):
+    """Teacher-forced scoring (logits at every token, eval-ppl) of one request cut in two: A's rows
+    then B's, one per token, as without the split."""
+    (prompt,) = _long_prompt(models[name])
+    rows = []
+    for overlap in (False, True):
+        batch = StaticBatch(_runner(models[name], TPContext(), overlap), 1)
+        try:
+            rows.append(batch.extend([prompt[:90]], all_logits=True))
+        finally:
+            batch.release()
+    assert rows[0].shape == rows[1].shape == (90, rows[0].shape[-1])
+    torch.testing.assert_close(rows[1], rows[0], rtol=0, atol=ATOL)

@@ -176,11 +176,11 @@ class ModelRunner:
         """Run one step; float32 logits [batch, vocab] at each request's final token, or
         [tokens, vocab] at every new token when ``step.all_logits``."""
         self._record_slots(step)
-        halves = split_step(step, self.engine_config.tbo_min_tokens) if self._staged is not None else None
-        if halves is not None:
+        split = split_step(step, self.engine_config.tbo_min_tokens) if self._staged is not None else None
+        if split is not None:
             assert self._staged is not None
-            first, second = (self._prepared(half) for half in halves)
-            return forward_two_batch(self._staged, self.tp, first, second)
+            first, second = self._prepared(split.first), self._prepared(split.second)
+            return forward_two_batch(self._staged, self.tp, first, second, split.cut_request)
         return self.model(self._prepared(step))
 
     def _prepared(self, step: StepInput) -> ForwardBatch:

@@ -14,13 +14,18 @@ un-reduced partial sums); this module is the one place that orders them. The emb
 the LM head's gather stay synchronous.
 
 The split is a pure function of the StepInput and the engine config, so every TP rank splits the
-broadcast step the same way with no protocol change. It cuts between whole requests, choosing the cut
-that best balances the two halves' cost (tokens for the linear layers plus tokens x context for
-attention: uneven halves lose the gain, sglang #6328). Steps under ``--tbo-min-tokens`` tokens, or of
-a single request, are not split.
+broadcast step the same way with no protocol change. It cuts the step's tokens where the two halves'
+cost is most even (per token: 1 for the linear layers plus its context length / 2048 for attention:
+uneven halves lose the gain, sglang #6328). A cut inside a request (a long extend) gives its first part
+to A and the rest to B, which attends to the first part's KV: A's attention of a layer writes it
+before B's attention of that layer reads it. Steps under ``--tbo-min-tokens`` tokens are not split.
 """
 
 from __future__ import annotations
+
+import bisect
+import itertools
+from dataclasses import dataclass
 
 import torch
 
@@ -33,42 +38,51 @@ from worker_svc.parallel.context import TPContext
 ATTENTION_WEIGHT = 1.0 / 2048
 
 
-def split_step(step: StepInput, min_tokens: int) -> tuple[StepInput, StepInput] | None:
-    """The step as two micro-batches of whole requests (A first, then B, in the step's order), or
-    None when it is too small to split."""
-    batch = int(step.req_rows.numel())
+@dataclass(frozen=True)
+class TwoBatchSplit:
+    first: StepInput
+    second: StepInput
+    # A request cut in two: its last row in the first half's logits is not a final token, dropped.
+    cut_request: bool
+
+
+def split_step(step: StepInput, min_tokens: int) -> TwoBatchSplit | None:
+    """The step as two micro-batches (A's tokens first, then B's, in the step's order), or None when
+    it is too small to split."""
     tokens = int(step.input_ids.numel())
-    if batch < 2 or tokens < min_tokens:
+    if tokens < max(2, min_tokens):
         return None
-    extend = [seq - prefix for seq, prefix in zip(step.seq_lens, step.prefix_lens, strict=True)]
-    costs = [n + ATTENTION_WEIGHT * n * seq for n, seq in zip(extend, step.seq_lens, strict=True)]
-    total = sum(costs)
-    best_cut, best_gap, running = 1, float("inf"), 0.0
-    for cut in range(1, batch):
-        running += costs[cut - 1]
-        gap = abs(total - 2 * running)
-        if gap < best_gap:
-            best_cut, best_gap = cut, gap
-    cut_tokens = sum(extend[:best_cut])
-    return _slice(step, 0, best_cut, 0, cut_tokens), _slice(step, best_cut, batch, cut_tokens, tokens)
-
-
-def _slice(step: StepInput, r0: int, r1: int, t0: int, t1: int) -> StepInput:
-    return StepInput(
+    cost = 1.0 + ATTENTION_WEIGHT * (step.positions.double() + 1)  # [tokens]
+    running = torch.cumsum(cost, 0)
+    cut = int(torch.argmin((2 * running[:-1] - running[-1]).abs())) + 1  # tokens in A, 1..tokens-1
+    ends = list(itertools.accumulate(seq - prefix for seq, prefix in zip(step.seq_lens, step.prefix_lens, strict=True)))
+    i = bisect.bisect_right(ends, cut)  # the request holding token `cut`
+    inside = cut - (ends[i - 1] if i else 0)  # tokens of request i that go to A (0: the cut is at its start)
+    head = i + 1 if inside else i
+    first = StepInput(
         mode=step.mode,
-        input_ids=step.input_ids[t0:t1],
-        positions=step.positions[t0:t1],
-        out_slots=step.out_slots[t0:t1],
-        req_rows=step.req_rows[r0:r1],
-        seq_lens=step.seq_lens[r0:r1],
-        prefix_lens=step.prefix_lens[r0:r1],
+        input_ids=step.input_ids[:cut], positions=step.positions[:cut], out_slots=step.out_slots[:cut],
+        req_rows=step.req_rows[:head],
+        seq_lens=step.seq_lens[:i] + ([step.prefix_lens[i] + inside] if inside else []),
+        prefix_lens=step.prefix_lens[:head],
         all_logits=step.all_logits,
     )
+    second = StepInput(
+        mode=step.mode,
+        input_ids=step.input_ids[cut:], positions=step.positions[cut:], out_slots=step.out_slots[cut:],
+        req_rows=step.req_rows[i:],
+        seq_lens=step.seq_lens[i:],
+        prefix_lens=[step.prefix_lens[i] + inside] + step.prefix_lens[i + 1:],
+        all_logits=step.all_logits,
+    )
+    return TwoBatchSplit(first, second, cut_request=inside > 0)
 
 
-def forward_two_batch(model: CausalLM, tp: TPContext, a: ForwardBatch, b: ForwardBatch) -> torch.Tensor:
+def forward_two_batch(model: CausalLM, tp: TPContext, a: ForwardBatch, b: ForwardBatch,
+                      cut_request: bool = False) -> torch.Tensor:
     """Logits of A's requests then B's (as one step's forward would give them), with each all-reduce
-    overlapped with the other micro-batch's next stage."""
+    overlapped with the other micro-batch's next stage. ``cut_request``: A's last request continues in
+    B, so its row in A's logits is dropped (kept with all_logits: every token has its row)."""
     decoder = model.model
     hidden_a, rope_a = decoder.embed(a)
     hidden_b, rope_b = decoder.embed(b)
@@ -96,5 +110,7 @@ def forward_two_batch(model: CausalLM, tp: TPContext, a: ForwardBatch, b: Forwar
     pending_a.wait()
     pending_b.wait()
     logits_a = model.logits(decoder.finish(hidden_a, residual_a), a)
+    if cut_request and not a.all_logits:
+        logits_a = logits_a[:-1]
     logits_b = model.logits(decoder.finish(hidden_b, residual_b), b)
     return torch.cat([logits_a, logits_b])  # [batch (or tokens), vocab]
