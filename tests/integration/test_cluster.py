@@ -208,6 +208,39 @@ def test_serve_int4_quantized_tensor_parallel_cluster(serve, model_factory) -> N
     assert s.proc.wait(60) == 0, "".join(s.err)
 
 
+def test_serve_tensor_parallel_cluster_with_two_batch_overlap(serve, model_factory) -> None:
+    """`serve --tp 2 --enable-two-batch-overlap` (every step of 2+ tokens split): concurrent streams
+    through the router give an in-process TP=1 engine's greedy tokens."""
+    from llmserve.cli import build_parser
+    from llmserve.commands.engine_args import engine_config_from_args
+    from worker_svc.engine.engine import Engine
+    from worker_svc.sampling import SamplingParams
+
+    model = model_factory("tiny")
+    s = serve("--tp", "2", "--enable-two-batch-overlap", "--tbo-min-tokens", "2")
+    s.wait_line("serving; Ctrl-C or SIGTERM stops the cluster")
+    texts = ["Once upon a time", "The capital of France is", "In a hole in the ground there lived"]
+    results: dict[int, list[int]] = {}
+    with RouterClient(s.router, timeout=60) as client:
+        prompts = [client.tokenize(t) for t in texts]
+
+        def run(i: int) -> None:
+            (completion,) = collect(client.generate(prompts[i], max_new_tokens=10, temperature=0, ignore_eos=True))
+            results[i] = list(completion.token_ids)
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(texts))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(90)
+    args = build_parser().parse_args(["worker", "--model", str(model), *ENGINE_FLAGS])
+    want = Engine(engine_config_from_args(args)).generate(
+        prompts, SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True))
+    assert [results.get(i) for i in range(len(texts))] == [w.output_ids for w in want]
+    s.proc.send_signal(signal.SIGTERM)
+    assert s.proc.wait(60) == 0, "".join(s.err)
+
+
 def test_serve_passes_every_engine_flag_to_its_workers() -> None:
     from llmserve.cli import build_parser
     from llmserve.commands.engine_args import engine_argv, engine_config_from_args
