@@ -54,6 +54,7 @@ def main() -> None:
                    "--dtype", args.dtype, "--batch-size", *map(str, args.batch_size),
                    "--input-len", str(args.input_len), "--output-len", str(args.output_len),
                    "--max-total-tokens", str(max(args.batch_size) * (args.input_len + args.output_len) + 64),
+                   "--max-running-requests", str(max(64, max(args.batch_size))),
                    "--result-file", str(out), *CONFIGS[name],
                    *(["--profile-collectives"] if args.profile and "TP=2" in name else [])]
             subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
