@@ -10,24 +10,19 @@ extend on the cached prefix (logits at every token) and a decode.
 
 from __future__ import annotations
 
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from tests.model_variants import with_biases
-from tests.ranks import on_ranks
+from tests.ranks import gloo_groups, on_ranks
 from tests.unit.oracle import encode_prompts
 from worker_svc.config.engine_config import EngineConfig
 from worker_svc.executor.model_runner import ModelRunner
 from worker_svc.forward_batch import ForwardBatch, ForwardMode
 from worker_svc.models.decoder import CausalLM
 from worker_svc.parallel.context import TPContext
-from worker_svc.parallel.group import free_port, open_store
-
-TIMEOUT = timedelta(seconds=60)
 
 
 @pytest.fixture(scope="module")
@@ -43,16 +38,8 @@ def models(model_factory, tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def tp2() -> list[TPContext]:
     """Two ranks' contexts on real gloo groups (one per thread of this process)."""
-    port = free_port()
-    contexts: dict[int, TPContext] = {}
-
-    def join(rank: int) -> None:
-        store = open_store("127.0.0.1", port, 2, rank == 0, TIMEOUT)
-        group = dist.ProcessGroupGloo(dist.PrefixStore("decoder_stages", store), rank, 2, TIMEOUT)
-        contexts[rank] = TPContext(rank=rank, size=2, group=group, store=store)
-
-    on_ranks(2, join)
-    return [contexts[0], contexts[1]]
+    return [TPContext(rank=rank, size=2, group=group, store=store)
+            for rank, (store, group) in enumerate(gloo_groups(2, "decoder_stages"))]
 
 def _batch(runner: ModelRunner, mode: ForwardMode, pieces: list[list[int]], rows: list[int], prefix_lens: list[int],
            all_logits: bool = False) -> ForwardBatch:

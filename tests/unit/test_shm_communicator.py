@@ -10,20 +10,16 @@ Every reduction ISA the host can run is tested (AVX2 always, AVX-512 where the C
 from __future__ import annotations
 
 import time
-from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from tests.ranks import on_ranks
+from tests.ranks import gloo_groups, on_ranks, shm_communicators
 from worker_svc.parallel import shm_communicator as shm
-from worker_svc.parallel.fault import GroupFault
-from worker_svc.parallel.group import free_port, open_store
 
 UNAVAILABLE = shm.available()
 pytestmark = pytest.mark.skipif(UNAVAILABLE is not None, reason=f"shared-memory communicator: {UNAVAILABLE}")
-TIMEOUT = timedelta(seconds=60)
 SLOT = 1 << 20  # small slots: the 8 MB messages go in chunks
 ISAS = ["avx2"] + (["avx512"] if UNAVAILABLE is None and shm._ops().shm_has_avx512() else [])
 SIZES = [1, 3, 17, 1000, 1024, 16384, 65536 + 5, 2 * 1024 * 1024]  # elements: 4 B .. 8 MB at fp32
@@ -31,28 +27,12 @@ SIZES = [1, 3, 17, 1000, 1024, 16384, 65536 + 5, 2 * 1024 * 1024]  # elements: 4
 
 def _communicators(size: int, isa: str = "auto", timeout_s: float = 30.0,
                    two_shot_bytes: int = shm.TWO_SHOT_BYTES) -> list[shm.ShmCommunicator]:
-    name, first = shm.create_segment(size, SLOT)
-    try:
-        segments = [first] + [shm.attach_segment(name, size, SLOT) for _ in range(1, size)]
-    finally:
-        shm.unlink_segment(name)
-    return [shm.ShmCommunicator(seg, r, size, SLOT, GroupFault(), timeout_s, isa=isa,
-                                two_shot_bytes=two_shot_bytes) for r, seg in enumerate(segments)]
-
-
-def _gloo_groups(size: int) -> list[dist.ProcessGroup]:
-    port = free_port()
-
-    def join(rank: int) -> dist.ProcessGroup:
-        store = open_store("127.0.0.1", port, size, rank == 0, TIMEOUT)
-        return dist.ProcessGroupGloo(dist.PrefixStore("shm_test", store), rank, size, TIMEOUT)
-
-    return on_ranks(size, join)
+    return shm_communicators(size, SLOT, timeout_s, isa=isa, two_shot_bytes=two_shot_bytes)
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["2ranks", "4ranks"])
 def gloo(request) -> tuple[int, list[dist.ProcessGroup]]:
-    return request.param, _gloo_groups(request.param)
+    return request.param, [group for _, group in gloo_groups(request.param, "shm_test")]
 
 
 def _input(rank: int, numel: int, dtype: torch.dtype) -> torch.Tensor:

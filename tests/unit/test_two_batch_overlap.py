@@ -13,15 +13,13 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from llmserve.bench.driver import StaticBatch
-from tests.ranks import on_ranks
+from tests.ranks import gloo_groups, on_ranks, shm_communicators
 from tests.unit.oracle import encode_prompts
 from worker_svc.config.engine_config import EngineConfig
 from worker_svc.engine.engine import Engine
@@ -32,11 +30,8 @@ from worker_svc.models.decoder import CausalLM
 from worker_svc.parallel import shm_communicator as shm
 from worker_svc.parallel.collective_observer import CollectiveRecorder
 from worker_svc.parallel.context import TPContext
-from worker_svc.parallel.fault import GroupFault
-from worker_svc.parallel.group import free_port, open_store
 from worker_svc.sampling import SamplingParams
 
-TIMEOUT = timedelta(seconds=60)
 # A micro-batch's GEMMs have fewer rows than the whole step's, and the BLAS picks other kernels for
 # them, so they round differently: measured 1.2e-5..5.4e-5 per step on logits up to 62 (<= 7 fp32
 # ulps), from the first chunk on and not growing over 40 steps. Bound: the TP oracle tests' 1e-4.
@@ -51,22 +46,10 @@ def models(model_factory) -> dict[str, Path]:
 
 def _tp2(comm: str, observer: CollectiveRecorder | None = None) -> list[TPContext]:
     """Two ranks' contexts (threads): a gloo group each, and with "shm" a shared segment's communicators."""
-    port = free_port()
-    comms: list[shm.ShmCommunicator | None] = [None, None]
-    if comm == "shm":
-        name, first = shm.create_segment(2, shm.DEFAULT_SLOT_BYTES)
-        second = shm.attach_segment(name, 2, shm.DEFAULT_SLOT_BYTES)
-        shm.unlink_segment(name)
-        comms = [shm.ShmCommunicator(seg, r, 2, shm.DEFAULT_SLOT_BYTES, GroupFault(), 60.0)
-                 for r, seg in enumerate((first, second))]
-
-    def join(rank: int) -> TPContext:
-        store = open_store("127.0.0.1", port, 2, rank == 0, TIMEOUT)
-        group = dist.ProcessGroupGloo(dist.PrefixStore("tbo", store), rank, 2, TIMEOUT)
-        return TPContext(rank=rank, size=2, group=group, store=store, comm=comms[rank],
-                         observer=observer if rank == 0 else None)
-
-    return on_ranks(2, join)
+    comms: list[shm.ShmCommunicator] | list[None] = shm_communicators(2) if comm == "shm" else [None, None]
+    return [TPContext(rank=rank, size=2, group=group, store=store, comm=comms[rank],
+                      observer=observer if rank == 0 else None)
+            for rank, (store, group) in enumerate(gloo_groups(2, "tbo"))]
 
 
 def _runner(model_dir: Path, tp: TPContext, overlap: bool) -> ModelRunner:
