@@ -37,14 +37,18 @@ def anonymous_mb(pid: int) -> float:
     return 0.0
 
 
-def start_router(name: str, tokenizer: Proc, worker: Proc, work: Path, deadline: float) -> Proc:
+def start_router(name: str, tokenizer: Proc, worker: Proc, work: Path, deadline: float,
+                 source: Path | None = None) -> Proc:
+    """A router process; `source`: run it from that checkout (another commit's worktree)."""
     port_file, log_path = work / f"{name}.port", work / f"{name}.log"
     cmd = [sys.executable, "-m", "llmserve.cli", "router", "--tokenizer", tokenizer.address,
            "--workers", worker.address, "--host", "127.0.0.1", "--port", "0", "--port-file", str(port_file),
            "--log-json", "--log-level", "warning"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=work)
+    if source is not None:
+        env["PYTHONPATH"] = str(source)
+    with open(log_path, "wb") as log:  # `python -m` imports from its cwd first: the source tree's
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=source or work)
     router = Proc(name, proc, port_file, log_path)
     router.wait_port(deadline)
     return router
@@ -67,27 +71,31 @@ async def one(client: AsyncRouterClient, kind: str, rng: random.Random) -> None:
         await client.tokenize(PROMPT + " there was")
 
 
-async def drive(router: Proc, concurrency: int, counts: dict[str, int], end: float) -> None:
+async def drive(router: Proc, kind: str, concurrency: int, counts: dict[str, int], end: float) -> None:
     rng = random.Random(1)
     async with AsyncRouterClient(router.address) as client:
         await client.wait_ready()
         running: set[asyncio.Future[None]] = set()
         while time.monotonic() < end:
             while len(running) < concurrency:
-                running.add(asyncio.ensure_future(one(client, router.name, rng)))
+                running.add(asyncio.ensure_future(one(client, kind, rng)))
             done, running = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
             counts[router.name] = counts.get(router.name, 0) + len(done)
         await asyncio.gather(*running, return_exceptions=True)
 
 
-async def measure(routers: list[Proc], minutes: float, concurrency: int) -> None:
+async def measure(routers: list[Proc], kinds: list[str], minutes: float, concurrency: int) -> None:
+    """Drive router i with requests of kinds[i]; print every router's RSS every 30 s and at the end."""
     end = time.monotonic() + 60 * minutes
     counts: dict[str, int] = {}
-    tasks = [asyncio.ensure_future(drive(r, concurrency, counts, end)) for r in routers]
+    tasks = [asyncio.ensure_future(drive(router, kind, concurrency, counts, end))
+             for router, kind in zip(routers, kinds, strict=True)]
     start = time.monotonic()
-    while not all(t.done() for t in tasks):
+    while True:
         row = "  ".join(f"{r.name}: anon {anonymous_mb(r.proc.pid):.1f} MB n={counts.get(r.name, 0)}" for r in routers)
         print(f"{time.monotonic() - start:5.0f}s {row}", flush=True)
+        if all(t.done() for t in tasks):
+            break
         await asyncio.sleep(30)
 
 
@@ -104,7 +112,7 @@ def main() -> None:
         worker.wait_port(deadline)
         routers = [start_router(kind, tokenizer, worker, work, deadline) for kind in KINDS]
         procs += routers
-        asyncio.run(measure(routers, minutes, concurrency))
+        asyncio.run(measure(routers, list(KINDS), minutes, concurrency))
     finally:
         for p in procs:
             p.proc.terminate()
