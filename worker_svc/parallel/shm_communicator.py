@@ -159,7 +159,7 @@ class ShmCommunicator:
     def all_reduce_start(self, tensor: torch.Tensor) -> _ShmWork:
         if tensor.dtype not in REDUCIBLE:
             raise TypeError(f"shm all-reduce sums float32, bfloat16 or float16, not {tensor.dtype}")
-        flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
+        flat = tensor.contiguous().view(-1)  # the tensor itself when contiguous
         nbytes = flat.numel() * flat.element_size()
         if nbytes > self.slot_bytes:  # in chunks, at once (the overlap path sends smaller messages)
             self._drain()
@@ -201,7 +201,7 @@ class ShmCommunicator:
         self.broadcast_start(tensor, src).wait()
 
     def broadcast_start(self, tensor: torch.Tensor, src: int) -> _ShmWork:
-        flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
+        flat = tensor.contiguous().view(-1)  # the tensor itself when contiguous
         if flat.numel() * flat.element_size() > self.slot_bytes:
             raise ValueError(f"shm broadcast: {flat.numel() * flat.element_size()} bytes over the slot size")
         seq = self._post(flat if self.rank == src else flat[:0])
