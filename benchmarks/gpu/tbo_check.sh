@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The two-batch-overlap check for a machine with CUDA GPUs, one command, under 10 minutes:
 #   1. the HF oracle on the device (bench-one-batch --correct, fp32, overlap on: every step of 2+
-#      requests is split, so CUDA streams and events of the split path run);
+#      requests is split, so CUDA streams and events of the split path run), for the Llama model and
+#      a tiny DeepSeek-V2 (MLA; on CUDA its MoE experts run as grouped GEMMs with no host sync);
 #   2. TP=1 decode/prefill timing with overlap off and on;
 #   3. with two or more GPUs: TP=2 over NCCL, overlap off and on, with --profile-collectives.
 #
@@ -31,6 +32,9 @@ bench=("$py" -m llmserve.cli bench-one-batch --model "$model" --device "$device"
 echo "== device $device, GPUs $gpus, model $model"
 echo "== 1. HF oracle with two-batch overlap on (fp32)"
 "${bench[@]}" --dtype float32 --correct --output-len 8 --enable-two-batch-overlap --tbo-min-tokens 2
+"$py" -m llmserve.cli make-model --arch deepseek_v2 --preset tiny --out "$work/deepseek" >/dev/null
+"$py" -m llmserve.cli bench-one-batch --model "$work/deepseek" --device "$device" --dtype float32 --correct \
+    --output-len 8 --enable-two-batch-overlap --tbo-min-tokens 2
 for overlap in off on; do
     flags=(); [ "$overlap" = on ] && flags=(--enable-two-batch-overlap --tbo-min-tokens 2)
     echo "== 2. TP=1, overlap $overlap"

@@ -12,6 +12,7 @@ from worker_svc.config.engine_config import (
     CPU_QUANT_KERNELS,
     DTYPES,
     MLA_DECODE_MODES,
+    MOE_EXPERT_KERNELS,
     EngineConfig,
 )
 
@@ -52,6 +53,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--mla-decode", choices=MLA_DECODE_MODES, default="absorbed",
                    help="MLA (DeepSeek-V2) decode: attend over cached latents with W_UK/W_UV absorbed, "
                    "or decompress them (normal)")
+    g.add_argument("--moe-experts", choices=MOE_EXPERT_KERNELS, default="auto",
+                   help="MoE routed experts: a loop over experts, or grouped GEMMs with no host sync "
+                   "(auto: grouped on CUDA without quantization)")
     g.add_argument("--enable-two-batch-overlap", action="store_true",
                    help="run large steps as two micro-batches, each one's tensor-parallel all-reduce "
                    "overlapping the other's compute")
@@ -78,6 +82,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         quantize_lm_head=args.quantize_lm_head,
         cpu_quant_kernel=args.cpu_quant_kernel,
         mla_decode=getattr(args, "mla_decode", "absorbed"),
+        moe_experts=getattr(args, "moe_experts", "auto"),
         enable_two_batch_overlap=getattr(args, "enable_two_batch_overlap", False),
         tbo_min_tokens=getattr(args, "tbo_min_tokens", 1024),
     )

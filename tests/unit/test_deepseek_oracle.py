@@ -76,10 +76,10 @@ def _runner(model_dir, **kw) -> ModelRunner:
     return ModelRunner(EngineConfig(model_path=str(model_dir), dtype="float32", max_total_tokens=4096, **kw))
 
 
-@pytest.mark.parametrize("mla_decode", ["absorbed", "normal"])
-def test_prefill_extend_decode_match_hf(case, mla_decode):
+@pytest.mark.parametrize("mla_decode, moe_experts", [("absorbed", "loop"), ("normal", "loop"), ("absorbed", "grouped")])
+def test_prefill_extend_decode_match_hf(case, mla_decode, moe_experts):
     model_dir, prompts, ref_logits, ref_tokens = case
-    runner = _runner(model_dir, mla_decode=mla_decode)
+    runner = _runner(model_dir, mla_decode=mla_decode, moe_experts=moe_experts)
     logits, tokens = greedy_with_split_prefill(runner, prompts, OUTPUT_LEN, cut_len=3)
     assert (logits - ref_logits).abs().max().item() < ATOL
     assert tokens == ref_tokens

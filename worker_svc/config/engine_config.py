@@ -9,6 +9,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 MLA_DECODE_MODES = ("absorbed", "normal")
 CPU_BF16_LINEAR_KERNELS = ("auto", "aten", "fbgemm_fp16", "fbgemm_fp16_lowmem", "blocked_upcast")
 CPU_QUANT_KERNELS = ("auto", "avx2", "aten")
+MOE_EXPERT_KERNELS = ("auto", "loop", "grouped")
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,10 @@ class EngineConfig:
     # MLA models (DeepSeek-V2): decode attention over the cached latents with W_UK/W_UV folded into
     # the query/output ("absorbed"), or by decompressing every cached latent ("normal", as extend does).
     mla_decode: str = "absorbed"
+    # MoE routed experts (layers/moe.py): a loop over experts ("loop", one host sync per layer) or grouped
+    # GEMMs with no host sync ("grouped", unquantized experts only). "auto": grouped on CUDA without
+    # quantization, loop elsewhere.
+    moe_experts: str = "auto"
 
     # Two-batch overlap (executor/two_batch.py): steps of at least tbo_min_tokens tokens and two or
     # more requests run as two micro-batches whose all-reduces overlap the other's compute. The default
@@ -68,6 +73,8 @@ class EngineConfig:
             raise ValueError(f"--cpu-quant-kernel must be one of {', '.join(CPU_QUANT_KERNELS)}")
         if self.mla_decode not in MLA_DECODE_MODES:
             raise ValueError(f"--mla-decode must be one of {', '.join(MLA_DECODE_MODES)}")
+        if self.moe_experts not in MOE_EXPERT_KERNELS:
+            raise ValueError(f"--moe-experts must be one of {', '.join(MOE_EXPERT_KERNELS)}")
         if self.tbo_min_tokens < 2:
             raise ValueError("--tbo-min-tokens must be at least 2 (a split needs two micro-batches)")
         if self.max_total_tokens is not None and self.max_total_tokens <= 0:

@@ -1,7 +1,7 @@
-"""CPU kernel policy: which matmul kernel the bf16 linears get, whether RMSNorm and decode attention run
-this project's AVX2 kernels (kernels/csrc), which kernels quantized layers use. Chosen once, before any
-weight is read, from the EngineConfig, the model kind and the device (one ``KernelPlan``, logged once),
-then applied to the loaded model."""
+"""Kernel policy: which matmul kernel the bf16 linears get, whether RMSNorm and decode attention run
+this project's AVX2 kernels (kernels/csrc), which kernels quantized layers use, how MoE experts run.
+Chosen once, before any weight is read, from the EngineConfig, the model kind and the device (one
+``KernelPlan``, logged once), then applied to the loaded model."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ from worker_svc.kernels.bf16_linear import (
 )
 from worker_svc.layers.embedding import ParallelLMHead
 from worker_svc.layers.linear import KernelLinear, embedding_parameter_ids, release_weight
+from worker_svc.layers.moe import DeepseekMoE
 from worker_svc.layers.norm import RMSNorm
 
 log = structlog.get_logger(__name__)
@@ -39,6 +40,7 @@ class KernelPlan:
     mla: bool  # the model's attention is MLA (one latent per token), not per-head K/V
     mla_decode: str  # MLA only: "absorbed" | "normal"
     quant_ops: object | None  # the AVX2 kernels for quantized layers on the CPU, None for aten's (or no quantization)
+    moe_experts: str = "loop"  # MoE models: "loop" | "grouped" (layers/moe.py)
 
     @property
     def attention_decode(self) -> str:
@@ -73,6 +75,17 @@ def _bf16_linear_kernel(engine_config: EngineConfig, device: torch.device, dtype
     return choice if device.type == "cpu" and dtype == torch.bfloat16 else "aten"
 
 
+def _moe_experts(engine_config: EngineConfig, quant: QuantConfig, device: torch.device) -> str:
+    choice = engine_config.moe_experts
+    if choice == "grouped" and quant.method != "none":
+        raise QuantConfigError("--moe-experts grouped needs unquantized experts (drop --torchao-config)")
+    if choice == "auto":
+        # On CUDA the loop's per-layer host sync stalls the queue; on the CPU it costs nothing and the
+        # loop runs each expert's GEMM on contiguous rows without the grouped GEMM's fallback.
+        return "grouped" if device.type == "cuda" and quant.method == "none" else "loop"
+    return choice
+
+
 def choose_kernels(
     engine_config: EngineConfig, quant: QuantConfig, mla: bool, device: torch.device, dtype: torch.dtype
 ) -> KernelPlan:
@@ -84,6 +97,7 @@ def choose_kernels(
         mla=mla,
         mla_decode=engine_config.mla_decode,
         quant_ops=cpu_quant_ops(engine_config.cpu_quant_kernel) if quantized_on_cpu else None,
+        moe_experts=_moe_experts(engine_config, quant, device),
     )
     log.info(
         "kernel plan",
@@ -92,12 +106,17 @@ def choose_kernels(
         attention="torch_native_mla" if mla else "torch_native",
         attention_decode=plan.attention_decode,
         quant_kernel=("avx2" if plan.quant_ops is not None else "aten") if quantized_on_cpu else None,
+        moe_experts=plan.moe_experts,
     )
     return plan
 
 
 def apply_kernels(model: nn.Module, plan: KernelPlan) -> None:
-    """Give the loaded (and quantized) model's bf16 linears and norms the plan's kernels."""
+    """Give the loaded (and quantized) model's bf16 linears, norms and MoE experts the plan's kernels."""
+    if plan.moe_experts == "grouped":  # before the linears: it reads the experts' plain weights
+        for module in model.modules():
+            if isinstance(module, DeepseekMoE):
+                module.use_grouped_experts()
     _apply_linear_kernels(model, plan.bf16_linear)
     for module in model.modules():
         if isinstance(module, RMSNorm):
@@ -111,6 +130,8 @@ def _apply_linear_kernels(model: nn.Module, choice: str) -> None:
     shared = embedding_parameter_ids(model)
     for module in model.modules():
         if not isinstance(module, (KernelLinear, ParallelLMHead)) or module.quantized:
+            continue
+        if module.weight.device.type == "meta":  # its weight moved into a grouped copy (grouped MoE experts)
             continue
         if choice.startswith("fbgemm_fp16"):
             keep_bf16 = choice == "fbgemm_fp16"
