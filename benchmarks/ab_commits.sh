@@ -4,10 +4,14 @@
 # temporary git worktree, removed afterwards.
 #
 #   benchmarks/ab_commits.sh BASE_REV MODEL [ROUNDS]
+#
+# REPEATS=N (default 1) measures each batch size N times per run (--repeats): one 128-token prefill
+# takes ~0.1 s, so a single one per run is noisy.
 set -euo pipefail
 base_rev=${1:?usage: benchmarks/ab_commits.sh BASE_REV MODEL [ROUNDS]}
 model=$(realpath "${2:?model folder}")
 rounds=${3:-3}
+repeats=${REPEATS:-1}
 root=$(cd "$(dirname "$0")/.." && pwd)
 work=$(mktemp -d)
 git -C "$root" worktree add --detach "$work/base" "$base_rev" >/dev/null
@@ -17,17 +21,18 @@ for round in $(seq "$rounds"); do
         src=$root; [ "$side" = base ] && src=$work/base
         (cd "$src" && PYTHONPATH=$src "$root/.venv/bin/python" -m llmserve.cli bench-one-batch --model "$model" \
             --dtype bfloat16 --batch-size 1 16 --input-len 128 --output-len 16 --threads 2 \
-            --max-total-tokens 2400 --result-file "$work/${side}_${round}.json" >/dev/null 2>&1)
+            --max-total-tokens 2400 --repeats "$repeats" --result-file "$work/${side}_${round}.json" >/dev/null 2>&1)
     done
 done
 "$root/.venv/bin/python" - "$work" "$rounds" <<'PY'
 import json, statistics, sys
 work, rounds = sys.argv[1], int(sys.argv[2])
 for side in ("base", "head"):
-    runs = [json.load(open(f"{work}/{side}_{r}.json")) for r in range(1, rounds + 1)]
-    for i, bs in enumerate((1, 16)):
-        steps = [r[i]["median_decode_latency"] * 1e3 for r in runs]
-        prefill = [r[i]["prefill_throughput"] for r in runs]
+    results = [result for r in range(1, rounds + 1) for result in json.load(open(f"{work}/{side}_{r}.json"))]
+    for bs in (1, 16):
+        mine = [r for r in results if r["batch_size"] == bs]
+        steps = [r["median_decode_latency"] * 1e3 for r in mine]
+        prefill = [r["prefill_throughput"] for r in mine]
         print(f"{side} bs{bs}: decode ms {' / '.join(f'{s:.1f}' for s in steps)} (median {statistics.median(steps):.1f}), "
-              f"prefill tok/s {' / '.join(f'{p:.0f}' for p in prefill)}")
+              f"prefill tok/s {' / '.join(f'{p:.0f}' for p in prefill)} (median {statistics.median(prefill):.0f})")
 PY
