@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # bench-one-batch of the working tree against an earlier commit, interleaved in rounds on the same
-# cores (TP=1, 2 threads, bf16, bs 1 and 16, input 128, output 16). The earlier commit runs from a
+# cores (TP=1, 2 threads, bf16, bs 1 and 16, input 128, output 16), the order swapped every round. The earlier commit runs from a
 # temporary git worktree, removed afterwards.
 #
 #   benchmarks/ab_commits.sh BASE_REV MODEL [ROUNDS]
@@ -17,7 +17,8 @@ work=$(mktemp -d)
 git -C "$root" worktree add --detach "$work/base" "$base_rev" >/dev/null
 trap 'git -C "$root" worktree remove --force "$work/base"; rm -rf "$work"' EXIT
 for round in $(seq "$rounds"); do
-    for side in base head; do
+    order="base head"; [ $((round % 2)) = 0 ] && order="head base"  # ABBA: a drift within a round hits both sides
+    for side in $order; do
         src=$root; [ "$side" = base ] && src=$work/base
         (cd "$src" && PYTHONPATH=$src "$root/.venv/bin/python" -m llmserve.cli bench-one-batch --model "$model" \
             --dtype bfloat16 --batch-size 1 16 --input-len 128 --output-len 16 --threads 2 \
