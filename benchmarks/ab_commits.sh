@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # bench-one-batch of the working tree against an earlier commit, interleaved in rounds on the same
-# cores (TP=1, 2 threads, bf16, bs 1 and 16, input 128, output 16), the order swapped every round. The earlier commit runs from a
-# temporary git worktree, removed afterwards.
+# cores (TP=1, 2 threads, bf16, bs 1 and 16, input 128, output 16), the order swapped every round.
+# The earlier commit runs from a temporary git worktree, removed afterwards.
 #
 #   benchmarks/ab_commits.sh BASE_REV MODEL [ROUNDS]
 #

@@ -84,3 +84,57 @@ def test_kernel_sources_build_from_a_path_that_does_not_depend_on_the_checkout(t
     assert first == again and [p.parent for p in first] == [tmp_path / "llmserve_csrc" / "d1"] * len(first)
     assert [p.read_bytes() for p in first] == [p.read_bytes() for p in sorted(CSRC.glob("*.cpp"))]
     assert not list((tmp_path / "llmserve_csrc").glob(".*"))  # no staging folder left behind
+
+
+def _avx512_bf16_ops():
+    from worker_svc.kernels import cpu_ext
+
+    ops = cpu_ext.load()
+    if ops is None or not ops.bf16_linear_available():
+        pytest.skip("this CPU lacks AVX512-BF16 (or the C++ kernels did not build): the packed bf16 kernel cannot run")
+    return ops
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 64, 130])
+@pytest.mark.parametrize("shape", [(96, 1000), (2, 1), (576, 960), (64, 17)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_bf16_matches_fp32_reference(rows, shape, bias):
+    """Every tile shape (1-6 rows x 1-4 groups of 16 outputs), ragged output groups, K = 2."""
+    from worker_svc.kernels.bf16_linear import PackedBf16Linear
+
+    ops = _avx512_bf16_ops()
+    in_features, out_features = shape
+    gen = torch.Generator().manual_seed(rows * 7 + in_features)
+    weight = (torch.randn(out_features, in_features, generator=gen) * 0.05).to(torch.bfloat16)
+    b = torch.randn(out_features, generator=gen).to(torch.bfloat16) if bias else None
+    x = torch.randn(rows, in_features, generator=gen).to(torch.bfloat16)
+    kernel = PackedBf16Linear(weight, ops)
+    out = kernel(x, weight, b)
+    ref = F.linear(x.float(), weight.float(), None if b is None else b.float())
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, out_features)
+    # fp32 sums, one rounding to bf16: within half a bf16 ulp of the result, plus the fp32 sum's error.
+    assert torch.allclose(out.float(), ref, rtol=2**-8, atol=1e-4), (out.float() - ref).abs().max()
+
+
+def test_packed_bf16_keeps_leading_dims_and_takes_strided_input():
+    from worker_svc.kernels.bf16_linear import PackedBf16Linear
+
+    ops = _avx512_bf16_ops()
+    weight = torch.randn(40, 32).to(torch.bfloat16)
+    kernel = PackedBf16Linear(weight, ops)
+    x = torch.randn(3, 4, 64).to(torch.bfloat16)[..., ::2]  # [3, 4, 32], not contiguous
+    out = kernel(x, weight)
+    assert out.shape == (3, 4, 40)
+    assert torch.allclose(out.float(), F.linear(x.float(), weight.float()), rtol=2**-8, atol=1e-4)
+    assert kernel.nbytes == 3 * 16 * 16 * 2 * 2  # 40 outputs padded to 3 groups of 16, 16 input pairs
+
+
+def test_packed_bf16_refuses_what_it_cannot_run():
+    from worker_svc.kernels.bf16_linear import PackedBf16Linear
+
+    ops = _avx512_bf16_ops()
+    with pytest.raises(ValueError, match="even number of input features"):
+        PackedBf16Linear(torch.randn(8, 7).to(torch.bfloat16), ops)
+    kernel = PackedBf16Linear(torch.randn(8, 4).to(torch.bfloat16), ops)
+    with pytest.raises(TypeError, match="bfloat16 input"):
+        kernel(torch.randn(1, 4), torch.empty(0))

@@ -24,13 +24,47 @@ def _plan(dtype=torch.bfloat16, mla=False, quant=NONE, **kw):
     return choose_kernels(EngineConfig(model_path="unused", **kw), quant, mla, CPU, dtype)
 
 
+def _has_avx512_bf16() -> bool:
+    ops = cpu_ext.load()
+    return ops is not None and bool(ops.bf16_linear_available())
+
+
 def test_bf16_linear_kernel_applies_only_to_bf16_on_the_cpu():
     assert _plan(cpu_bf16_linear="blocked_upcast").bf16_linear == "blocked_upcast"
     assert _plan(torch.float32, cpu_bf16_linear="blocked_upcast").bf16_linear == "aten"
     assert _plan(torch.float32).bf16_linear == "aten"  # auto
+    assert _plan(torch.float32, cpu_bf16_linear="avx512_bf16").bf16_linear == "aten"  # not bf16: nothing to do
     if not fbgemm_available():
         with pytest.raises(ValueError, match="FBGEMM"):
             _plan(torch.float32, cpu_bf16_linear="fbgemm_fp16")
+
+
+def test_auto_picks_the_packed_bf16_kernel_where_the_cpu_has_avx512_bf16():
+    if _has_avx512_bf16():
+        assert _plan().bf16_linear == "avx512_bf16"
+        assert _plan(cpu_bf16_linear="avx512_bf16").describe()["bf16_linear"] == "avx512_bf16"
+    else:
+        assert _plan().bf16_linear in ("aten", "fbgemm_fp16", "blocked_upcast")
+        with pytest.raises(ValueError, match="avx512_bf16 needs a CPU with AVX512-BF16"):
+            _plan(cpu_bf16_linear="avx512_bf16")
+    described = _plan(cpu_bf16_linear="aten").describe()
+    assert described["bf16_linear"] == "aten" and described["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert "quant_kernel" not in described
+    assert _plan(quant=parse_quant_config("int8wo"), cpu_quant_kernel="aten").describe()["quant_kernel"] == "aten"
+
+
+def test_apply_kernels_packs_bf16_linears_and_releases_their_weights():
+    if not _has_avx512_bf16():
+        pytest.skip("this CPU lacks AVX512-BF16 (or the C++ kernels did not build)")
+    from worker_svc.kernels.bf16_linear import PackedBf16Linear
+
+    model = torch.nn.Sequential(KernelLinear(4, 8), KernelLinear(3, 8)).to(torch.bfloat16)  # 3 inputs: odd
+    x = torch.randn(2, 4).to(torch.bfloat16)
+    before = model[0](x)
+    apply_kernels(model, _plan(cpu_bf16_linear="avx512_bf16"))
+    assert isinstance(model[0].kernel, PackedBf16Linear) and model[0].weight.device.type == "meta"
+    assert not isinstance(model[1].kernel, PackedBf16Linear)  # odd in_features: aten keeps it
+    assert torch.allclose(model[0](x).float(), before.float(), rtol=2**-7, atol=1e-3)
 
 
 def test_attention_follows_the_model_kind_and_the_cpu_kernels():

@@ -11,6 +11,7 @@ from tests.unit.oracle import encode_prompts, hf_reference, run_with_late_arriva
 from worker_svc.config.engine_config import EngineConfig
 from worker_svc.engine.engine import Engine
 from worker_svc.executor.model_runner import ModelRunner
+from worker_svc.kernels import cpu_ext
 from worker_svc.sampling import SamplingParams
 
 pytest.importorskip("transformers")
@@ -84,10 +85,12 @@ def test_retraction_under_memory_pressure_matches_hf(case):
 
 
 @pytest.mark.parametrize("preset", ["tiny", "small"])
-@pytest.mark.parametrize("kernel", ["auto", "aten", "fbgemm_fp16_lowmem", "blocked_upcast"])
+@pytest.mark.parametrize("kernel", ["auto", "aten", "avx512_bf16", "fbgemm_fp16_lowmem", "blocked_upcast"])
 def test_bf16_logits_close_to_hf_fp32(model_factory, preset, kernel):
     if kernel.startswith("fbgemm") and "fbgemm" not in torch.backends.quantized.supported_engines:
         pytest.skip("torch built without FBGEMM")
+    if kernel == "avx512_bf16" and ((ops := cpu_ext.load()) is None or not ops.bf16_linear_available()):
+        pytest.skip("this CPU lacks AVX512-BF16 (or the C++ kernels did not build)")
     model_dir = model_factory(preset)
     prompts = encode_prompts(model_dir)
     ref_logits, _ = hf_reference(model_dir, prompts, OUTPUT_LEN)

@@ -7,7 +7,7 @@ from typing import Any
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 MLA_DECODE_MODES = ("absorbed", "normal")
-CPU_BF16_LINEAR_KERNELS = ("auto", "aten", "fbgemm_fp16", "fbgemm_fp16_lowmem", "blocked_upcast")
+CPU_BF16_LINEAR_KERNELS = ("auto", "aten", "avx512_bf16", "fbgemm_fp16", "fbgemm_fp16_lowmem", "blocked_upcast")
 CPU_QUANT_KERNELS = ("auto", "avx2", "aten")
 MOE_EXPERT_KERNELS = ("auto", "loop", "grouped")
 
@@ -34,10 +34,11 @@ class EngineConfig:
     # Let running requests decode inside extend steps instead of waiting for prefills to finish.
     enable_mixed_chunk: bool = True
 
-    # Matmul kernel for bf16 weights on the CPU (layers/cpu_kernels.py): "auto" picks "fbgemm_fp16"
-    # (or "blocked_upcast" without FBGEMM) on CPUs lacking native bf16 instructions (AVX2-only),
-    # "aten" elsewhere. "fbgemm_fp16" keeps the bf16 weights for one-row GEMV (2x linear weight
-    # memory); "fbgemm_fp16_lowmem" keeps only the packed copy.
+    # Matmul kernel for bf16 weights on the CPU (kernels/bf16_linear.py): "auto" picks "avx512_bf16" (this
+    # project's kernel on pre-packed weights) on CPUs with AVX512-BF16, "fbgemm_fp16" (or "blocked_upcast"
+    # without FBGEMM) on CPUs lacking native bf16 instructions (AVX2-only), "aten" elsewhere.
+    # "fbgemm_fp16" keeps the bf16 weights for one-row GEMV (2x linear weight memory);
+    # "fbgemm_fp16_lowmem" keeps only the packed copy.
     cpu_bf16_linear: str = "auto"
 
     # Weight quantization of this rank's shard (worker_svc/executor/quantize.py), e.g. "int4wo-128".

@@ -19,6 +19,7 @@ from worker_svc.executor.quantize import QuantConfig, QuantConfigError
 from worker_svc.kernels import cpu_ext
 from worker_svc.kernels.bf16_linear import (
     BlockedUpcastLinear,
+    PackedBf16Linear,
     PackedFp16Linear,
     cpu_has_native_bf16,
     fbgemm_available,
@@ -33,20 +34,35 @@ log = structlog.get_logger(__name__)
 
 @dataclass(frozen=True)
 class KernelPlan:
-    # bf16 linears on the CPU: "aten" (also whenever the weights are not bf16 on the CPU), "fbgemm_fp16",
-    # "fbgemm_fp16_lowmem" or "blocked_upcast" (EngineConfig.cpu_bf16_linear).
+    # bf16 linears on the CPU: "aten" (also whenever the weights are not bf16 on the CPU), "avx512_bf16",
+    # "fbgemm_fp16", "fbgemm_fp16_lowmem" or "blocked_upcast" (EngineConfig.cpu_bf16_linear).
     bf16_linear: str
     cpu_ops: object | None  # the AVX2 kernels (cpu_ext.load()) for RMSNorm and decode attention, None off x86
     mla: bool  # the model's attention is MLA (one latent per token), not per-head K/V
     mla_decode: str  # MLA only: "absorbed" | "normal"
     quant_ops: object | None  # the AVX2 kernels for quantized layers on the CPU, None for aten's (or no quantization)
     moe_experts: str = "loop"  # MoE models: "loop" | "grouped" (layers/moe.py)
+    quant_kernel: str | None = None  # quantized on the CPU: "avx2" | "aten"; None without quantization
 
     @property
     def attention_decode(self) -> str:
         if self.mla:
             return self.mla_decode
         return "avx2" if self.cpu_ops is not None else "grouped_matmul"
+
+    def describe(self) -> dict[str, str]:
+        """What runs where, for the start-up log and GetServerInfo (``scheduler_info.kernels``)."""
+        plan = {
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "bf16_linear": self.bf16_linear,
+            "rms_norm": "avx2" if self.cpu_ops is not None else "torch",
+            "attention": "torch_native_mla" if self.mla else "torch_native",
+            "attention_decode": self.attention_decode,
+            "moe_experts": self.moe_experts,
+        }
+        if self.quant_kernel is not None:
+            plan["quant_kernel"] = self.quant_kernel
+        return plan
 
 
 def cpu_quant_ops(choice: str) -> object | None:
@@ -65,14 +81,26 @@ def cpu_quant_ops(choice: str) -> object | None:
     return ops
 
 
-def _bf16_linear_kernel(engine_config: EngineConfig, device: torch.device, dtype: torch.dtype) -> str:
+def _bf16_linear_kernel(
+    engine_config: EngineConfig, device: torch.device, dtype: torch.dtype, cpu_ops: object | None
+) -> str:
+    if device.type != "cpu" or dtype != torch.bfloat16:
+        return "aten"
+    avx512_bf16 = cpu_ops is not None and bool(cpu_ops.bf16_linear_available())  # type: ignore[attr-defined]
     choice = engine_config.cpu_bf16_linear
     if choice == "auto":
-        slow_bf16 = device.type == "cpu" and dtype == torch.bfloat16 and not cpu_has_native_bf16()
-        choice = ("fbgemm_fp16" if fbgemm_available() else "blocked_upcast") if slow_bf16 else "aten"
+        if avx512_bf16:
+            choice = "avx512_bf16"
+        elif not cpu_has_native_bf16():
+            choice = "fbgemm_fp16" if fbgemm_available() else "blocked_upcast"
+        else:
+            choice = "aten"
+    if choice == "avx512_bf16" and not avx512_bf16:
+        raise ValueError("--cpu-bf16-linear avx512_bf16 needs a CPU with AVX512-BF16 and this project's C++ "
+                         "kernels (the log says whether they loaded)")
     if choice.startswith("fbgemm") and not fbgemm_available():
         raise ValueError(f"--cpu-bf16-linear {choice} needs a torch build with FBGEMM")
-    return choice if device.type == "cpu" and dtype == torch.bfloat16 else "aten"
+    return choice
 
 
 def _moe_experts(engine_config: EngineConfig, quant: QuantConfig, device: torch.device) -> str:
@@ -91,23 +119,18 @@ def choose_kernels(
 ) -> KernelPlan:
     on_cpu = device.type == "cpu"
     quantized_on_cpu = on_cpu and quant.method != "none"
+    cpu_ops = cpu_ext.load() if on_cpu else None
+    quant_ops = cpu_quant_ops(engine_config.cpu_quant_kernel) if quantized_on_cpu else None
     plan = KernelPlan(
-        bf16_linear=_bf16_linear_kernel(engine_config, device, dtype),
-        cpu_ops=cpu_ext.load() if on_cpu else None,
+        bf16_linear=_bf16_linear_kernel(engine_config, device, dtype, cpu_ops),
+        cpu_ops=cpu_ops,
         mla=mla,
         mla_decode=engine_config.mla_decode,
-        quant_ops=cpu_quant_ops(engine_config.cpu_quant_kernel) if quantized_on_cpu else None,
+        quant_ops=quant_ops,
         moe_experts=_moe_experts(engine_config, quant, device),
+        quant_kernel=("avx2" if quant_ops is not None else "aten") if quantized_on_cpu else None,
     )
-    log.info(
-        "kernel plan",
-        bf16_linear=plan.bf16_linear,
-        rms_norm="avx2" if plan.cpu_ops is not None else "torch",
-        attention="torch_native_mla" if mla else "torch_native",
-        attention_decode=plan.attention_decode,
-        quant_kernel=("avx2" if plan.quant_ops is not None else "aten") if quantized_on_cpu else None,
-        moe_experts=plan.moe_experts,
-    )
+    log.info("kernel plan", **plan.describe())
     return plan
 
 
@@ -117,13 +140,13 @@ def apply_kernels(model: nn.Module, plan: KernelPlan) -> None:
         for module in model.modules():
             if isinstance(module, DeepseekMoE):
                 module.use_grouped_experts()
-    _apply_linear_kernels(model, plan.bf16_linear)
+    _apply_linear_kernels(model, plan.bf16_linear, plan.cpu_ops)
     for module in model.modules():
         if isinstance(module, RMSNorm):
             module.cpu_ops = plan.cpu_ops
 
 
-def _apply_linear_kernels(model: nn.Module, choice: str) -> None:
+def _apply_linear_kernels(model: nn.Module, choice: str, cpu_ops: object | None) -> None:
     if choice == "aten":
         return
     blocked = BlockedUpcastLinear()  # one shared scratch buffer: the engine runs one step at a time
@@ -133,7 +156,13 @@ def _apply_linear_kernels(model: nn.Module, choice: str) -> None:
             continue
         if module.weight.device.type == "meta":  # its weight moved into a grouped copy (grouped MoE experts)
             continue
-        if choice.startswith("fbgemm_fp16"):
+        if choice == "avx512_bf16":
+            try:
+                module.kernel = PackedBf16Linear(module.weight.data, cpu_ops)
+            except ValueError:  # an odd number of input features: aten's kernel keeps it
+                continue
+            release_weight(module, shared)  # the packed copy replaces the bf16 weight
+        elif choice.startswith("fbgemm_fp16"):
             keep_bf16 = choice == "fbgemm_fp16"
             try:
                 module.kernel = PackedFp16Linear(module.weight.data, gemv_from_bf16=keep_bf16)

@@ -10,6 +10,7 @@ import torch
 
 from worker_svc.config.engine_config import EngineConfig
 from worker_svc.config.model_config import ModelConfig
+from worker_svc.executor.kernel_choice import KernelPlan
 from worker_svc.forward_batch import StepInput
 from worker_svc.kvcache import KVCache
 from worker_svc.parallel.context import TPContext
@@ -43,6 +44,10 @@ class StepRunner(Protocol):
     @property
     def weight_nbytes(self) -> int:
         """Bytes the weights take on this rank, measured after packing and quantization."""
+
+    @property
+    def kernels(self) -> KernelPlan:
+        """The kernels this rank's model runs (chosen at load, executor/kernel_choice.py)."""
 
     def forward(self, step: StepInput) -> torch.Tensor:
         """Run one step; float32 logits [batch, vocab] at each request's final token, or

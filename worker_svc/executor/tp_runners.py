@@ -16,6 +16,7 @@ import torch.multiprocessing as mp
 from worker_svc.config.engine_config import EngineConfig
 from worker_svc.config.model_config import ModelConfig
 from worker_svc.config.tp_timeouts import TP_UNWATCHED_TIMEOUT_S
+from worker_svc.executor.kernel_choice import KernelPlan
 from worker_svc.executor.model_runner import ModelRunner
 from worker_svc.executor.step_runner import StepRunner
 from worker_svc.forward_batch import FatalStepError, StepInput
@@ -91,6 +92,10 @@ class LeaderRunner:
     @property
     def weight_nbytes(self) -> int:
         return self.runner.weight_nbytes
+
+    @property
+    def kernels(self) -> KernelPlan:
+        return self.runner.kernels
 
     def _guarded(self, fn: Callable[[], _T]) -> _T:
         """Any failure here leaves the ranks out of step (a peer is gone, or waits in a collective this

@@ -1,4 +1,8 @@
-"""Linear kernels for bf16 models on CPUs without native bf16 matrix instructions.
+"""Linear kernels for bf16 models on the CPU.
+
+On CPUs with AVX512-BF16, ``PackedBf16Linear``: this project's kernel (kernels/csrc/bf16_linear_avx512.cpp)
+on a weight packed once at load for VDPBF16PS; it reads the weight near the host's memory bandwidth where
+aten's GEMV on the unpacked weight reaches about half of it.
 
 On AVX2-only x86 (no AVX512-BF16 / AMX / AVX-NE-CONVERT) aten's bf16 GEMM falls back to a scalar
 conversion loop: at 16 rows it is 3-5x slower than it needs to be, and 4-8x at prefill sizes.
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +43,24 @@ def cpu_has_native_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
     except OSError:
         return True  # unknown platform: trust aten's own bf16 path
     return any(flag in flags.split() for flag in _BF16_CPU_FLAGS)
+
+
+class PackedBf16Linear:
+    """One layer's bf16 weight packed for the AVX512-BF16 kernel (``ops``: ``cpu_ext.load()``). The packed
+    copy replaces the weight: every row count runs the kernel."""
+
+    def __init__(self, weight: torch.Tensor, ops: Any) -> None:
+        self.out_features, self.in_features = weight.shape
+        if weight.dtype != torch.bfloat16 or self.in_features % 2:
+            raise ValueError("PackedBf16Linear needs a bf16 weight with an even number of input features")
+        self.ops = ops
+        self.packed = ops.bf16_pack_weight(weight)  # [ceil(out/16), in/2, 32]
+        self.nbytes = self.packed.numel() * self.packed.element_size()
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if x.dtype != torch.bfloat16:  # the model runs in bf16; anything else is a caller's mistake
+            raise TypeError(f"PackedBf16Linear: bfloat16 input expected, got {x.dtype}")
+        return self.ops.bf16_linear_packed(x, self.packed, self.out_features, None if bias is None else bias.float())
 
 
 class BlockedUpcastLinear:

@@ -416,6 +416,7 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
             "architecture": self.model_config.architecture,
             "tp_size": self.tp_size,
             "tp_comm": self.runner.tp.comm_kind,
+            "kernels": runner.kernels.describe(),
             "page_size": 1,
         }
 
