@@ -33,6 +33,9 @@ class EngineConfig:
     new_token_reserve_ratio: float = 0.3
     # Let running requests decode inside extend steps instead of waiting for prefills to finish.
     enable_mixed_chunk: bool = True
+    # Radix prefix cache (sglang's RadixAttention): requests reuse the KV of token prefixes computed
+    # before, shared across requests and kept (evictable, LRU) after they finish. On unless disabled.
+    disable_radix_cache: bool = False
 
     # Matmul kernel for bf16 weights on the CPU (layers/cpu_kernels.py): "auto" picks "fbgemm_fp16"
     # (or "blocked_upcast" without FBGEMM) on CPUs lacking native bf16 instructions (AVX2-only),
