@@ -21,7 +21,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from worker_svc.forward_batch import ForwardMode, StepInput, TableWrites
 from worker_svc.parallel.context import TPContext
@@ -127,7 +126,9 @@ def _from_payload(header: list[int], payload: torch.Tensor, device: Any) -> Step
 
 def _comm_device(tp: TPContext) -> torch.device:
     # NCCL moves CUDA tensors only; gloo moves CPU tensors.
-    backend = dist.get_backend(tp.group) if tp.size > 1 else "gloo"
+    # The group's own name, as ProcessGroupCommunicator reads it: also right for a group built outside
+    # torch's world map (ranks as threads of one test process), where dist.get_backend refuses.
+    backend = tp.group.name() if tp.size > 1 and tp.group is not None else "gloo"
     return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
 
 
