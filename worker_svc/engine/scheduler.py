@@ -56,6 +56,7 @@ class QueueCounts:
     total_tokens: int
     used_tokens: int
     cached_tokens: int = 0  # held by the radix prefix cache (evictable or in use)
+    cache_hit_rate: float = 0.0  # of the prompt tokens admitted so far, the share found in the cache
 
 
 class Scheduler:
@@ -153,6 +154,7 @@ class Scheduler:
             total_tokens=self.allocator.size,
             used_tokens=self.allocator.size - free,
             cached_tokens=self.cache.total_size() if self.cache is not None else 0,
+            cache_hit_rate=self.prompt_tokens_cached / max(1, self.prompt_tokens_admitted),
         )
 
     def flush_cache(self) -> tuple[bool, str]:
