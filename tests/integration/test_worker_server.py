@@ -490,6 +490,9 @@ def test_engine_failure_fails_in_flight_requests_and_marks_not_serving(worker_mo
             with pytest.raises(grpc.RpcError) as again:
                 _collect(stub, _request(_prompt(4, seed=26)))
             assert again.value.code() == grpc.StatusCode.UNAVAILABLE
+            with pytest.raises(grpc.RpcError) as flush:
+                stub.FlushCache(common_pb2.FlushCacheRequest(), timeout=TIMEOUT)
+            assert flush.value.code() == grpc.StatusCode.UNAVAILABLE and "engine is failed" in flush.value.details()
     finally:
         thread.stop(grace=0.5)
 

@@ -319,6 +319,7 @@ class EngineLoop:
             self.error = exc
             self._state = LoopState.FAILED
             failed, self._sinks = self._sinks, {}
+        self.scheduler.refuse_flushes(f"engine failed: {exc!r}")
         for rid, sink in failed.items():
             self._deliver(rid, sink, EngineUnavailable(f"engine failed: {exc!r}"))
         for callback in self._failure_callbacks:

@@ -136,6 +136,14 @@ class Scheduler:
             self._flush_inbox.append(future)
         return future
 
+    def refuse_flushes(self, why: str) -> None:
+        """Answer every pending flush request with (False, why): the engine loop will not step again."""
+        with self._lock:
+            flushes, self._flush_inbox = self._flush_inbox, []
+        for future in flushes:
+            if future.set_running_or_notify_cancel():
+                future.set_result((False, f"cache not flushed: {why}"))
+
     def has_work(self) -> bool:
         with self._lock:
             pending = bool(self._inbox or self._abort_inbox or self._flush_inbox)
