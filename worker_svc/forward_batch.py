@@ -25,6 +25,20 @@ class FatalStepError(RuntimeError):
 
 
 @dataclass
+class TableWrites:
+    """Request -> token table writes a step carries ahead of its own slots: row ``rows[i]`` gets the
+    next ``lens[i]`` entries of ``slots`` at positions ``starts[i] ..``, in order. They point rows at
+    KV the radix prefix cache holds (a request admitted on a cached prefix, or re-pointed at the
+    cache's copy of what it computed). The leader's scheduler makes them in its own table at once;
+    tensor-parallel followers learn them from the step broadcast."""
+
+    rows: list[int]
+    starts: list[int]
+    lens: list[int]
+    slots: torch.Tensor  # [sum(lens)] int64
+
+
+@dataclass
 class StepInput:
     mode: ForwardMode
     input_ids: torch.Tensor  # [tokens] int64
@@ -34,6 +48,7 @@ class StepInput:
     seq_lens: list[int]
     prefix_lens: list[int]
     all_logits: bool = False  # logits at every new token (eval-ppl), not only each request's last
+    table_writes: TableWrites | None = None  # applied before out_slots are recorded
 
 
 @dataclass

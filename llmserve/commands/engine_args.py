@@ -42,6 +42,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--json-model-override-args", type=json_object, default={}, metavar="JSON",
                    help='override config.json fields, e.g. \'{"rope_theta": 10000}\'')
     g.add_argument("--random-seed", type=int, default=0)
+    g.add_argument("--disable-radix-cache", action="store_true",
+                   help="no radix prefix cache: every request computes its whole prompt, KV is freed when it finishes")
     g.add_argument("--torchao-config", "--quantization", dest="torchao_config", default="none",
                    help="weight quantization: none, int8wo, int4wo-<32|64|128|256>, int8dq, fp8wo, fp8dq-per_row")
     g.add_argument("--quantize-lm-head", action="store_true", help="quantize the LM head too")
@@ -77,6 +79,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         context_length=args.context_length,
         json_model_override_args=args.json_model_override_args,
         random_seed=args.random_seed,
+        disable_radix_cache=getattr(args, "disable_radix_cache", False),
         cpu_bf16_linear=args.cpu_bf16_linear,
         torchao_config=args.torchao_config,
         quantize_lm_head=args.quantize_lm_head,

@@ -476,6 +476,22 @@ def test_invalid_utf8_on_the_wire_is_invalid_argument(cluster: Cluster, client: 
     assert collect(client.generate("still fine", max_new_tokens=2))[0].finish.reason == "length"
 
 
+def test_repeated_prompt_reports_the_workers_prefix_cache(client: RouterClient, reference) -> None:
+    """Three calls with one long prompt over two worker groups: two of them land on one group, and the
+    later of those finds all but the prompt's last token in that worker's radix cache; the router
+    passes cached_tokens through in usage, and the tokens stay the engine's."""
+    prompt = " ".join(PROMPTS * 2)
+    ids = client.tokenize(prompt)
+    assert 100 < len(ids) < CONTEXT - 8
+    finishes = []
+    for _ in range(3):
+        (c,) = collect(list(client.generate(prompt, max_new_tokens=8, temperature=0, ignore_eos=True)))
+        assert c.token_ids == reference(ids, 8)
+        assert c.finish is not None and c.finish.prompt_tokens == len(ids)
+        finishes.append(c.finish.cached_tokens)
+    assert len(ids) - 1 in finishes, finishes
+
+
 # ---- failures (keep last: this kills the module's workers) ---------------------------------------
 
 

@@ -362,6 +362,72 @@ def test_loads_when_idle(stub):
     assert not stub.GetLoads(pb.GetLoadsRequest(dp_rank=1), timeout=TIMEOUT).loads  # one rank only
 
 
+# ---- radix prefix cache -------------------------------------------------------------------------
+
+
+def _cache_tokens(stub) -> int:
+    info = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=TIMEOUT)
+    return int(json_format.MessageToDict(info.scheduler_info)["radix_cache_tokens"])
+
+
+def test_repeated_prompt_reports_cached_tokens_and_flush_cache_empties_the_cache(stub, reference_engine):
+    """The second call with the same 200-token prompt finds 199 of them cached (usage cached_tokens,
+    streamed and final) and gives the same tokens; FlushCache on the idle worker empties the cache."""
+    prompt = _prompt(200, seed=40)
+    expected = _greedy(reference_engine, prompt, max_new=8)
+    _, (first,) = _collect(stub, _request(prompt, rid="cache-1", max_new=8))
+    chunks, (second,) = _collect(stub, _request(prompt, rid="cache-2", max_new=8, stream=True))
+    assert list(first.output_ids) == list(second.output_ids) == expected
+    assert first.cached_tokens == 0 and first.prompt_tokens == 200
+    assert second.cached_tokens == 199 and [c.cached_tokens for c in chunks] == [199] * len(chunks)
+    load = _wait_idle(stub)  # cached prefixes count as free KV, as in sglang
+    assert 0 < load.cache_hit_rate < 1
+    assert _cache_tokens(stub) >= 200 + 8 - 1
+    info = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=TIMEOUT)
+    assert json_format.MessageToDict(info.server_args)["disable_radix_cache"] is False
+    assert json_format.MessageToDict(info.scheduler_info)["radix_cache"] is True
+    flushed = stub.FlushCache(common_pb2.FlushCacheRequest(), timeout=TIMEOUT)
+    assert flushed.success and flushed.message.startswith("flushed ")
+    deadline = time.monotonic() + 10
+    while _cache_tokens(stub):  # the load snapshot is taken after the step that flushed
+        assert time.monotonic() < deadline, "radix_cache_tokens did not drop to 0 after FlushCache"
+        time.sleep(0.02)
+    _, (third,) = _collect(stub, _request(prompt, rid="cache-3", max_new=8))
+    assert third.cached_tokens == 0 and list(third.output_ids) == expected
+
+
+def test_flush_cache_is_refused_while_a_request_runs(stub, slow_steps):
+    call = stub.Generate(_request(_prompt(8, seed=41), rid="flush-busy", stream=True, max_new=200), timeout=TIMEOUT)
+    stream = iter(call)
+    next(stream)
+    refused = stub.FlushCache(common_pb2.FlushCacheRequest(), timeout=TIMEOUT)
+    assert not refused.success and "running or waiting" in refused.message
+    call.cancel()
+    _wait_idle(stub)
+    assert stub.FlushCache(common_pb2.FlushCacheRequest(), timeout=TIMEOUT).success
+
+
+def test_worker_without_radix_cache(worker_model):
+    """--disable-radix-cache (EngineConfig.disable_radix_cache): nothing is cached, FlushCache says so."""
+    engine = Engine(worker_engine_config(worker_model, disable_radix_cache=True))
+    thread = ServerThread(WorkerServer(engine, host="127.0.0.1", port=0))
+    thread.start()
+    try:
+        with grpc.insecure_channel(thread.address) as ch:
+            stub = pb_grpc.SglangSchedulerStub(ch)
+            prompt = _prompt(100, seed=42)
+            for rid in ("plain-1", "plain-2"):
+                _, (done,) = _collect(stub, _request(prompt, rid=rid, max_new=4))
+                assert done.cached_tokens == 0
+            info = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=TIMEOUT)
+            assert json_format.MessageToDict(info.server_args)["disable_radix_cache"] is True
+            assert json_format.MessageToDict(info.scheduler_info)["radix_cache"] is False
+            flushed = stub.FlushCache(common_pb2.FlushCacheRequest(), timeout=TIMEOUT)
+            assert flushed.success and "disabled" in flushed.message
+    finally:
+        thread.stop(grace=0.5)
+
+
 def test_get_tokenizer_zip_round_trips(stub, worker_model, tmp_path):
     chunks = list(stub.GetTokenizer(common_pb2.GetTokenizerRequest(), timeout=TIMEOUT))
     assert chunks and chunks[-1].sha256 and all(not c.sha256 for c in chunks[:-1])
@@ -424,6 +490,9 @@ def test_engine_failure_fails_in_flight_requests_and_marks_not_serving(worker_mo
             with pytest.raises(grpc.RpcError) as again:
                 _collect(stub, _request(_prompt(4, seed=26)))
             assert again.value.code() == grpc.StatusCode.UNAVAILABLE
+            with pytest.raises(grpc.RpcError) as flush:
+                stub.FlushCache(common_pb2.FlushCacheRequest(), timeout=TIMEOUT)
+            assert flush.value.code() == grpc.StatusCode.UNAVAILABLE and "engine is failed" in flush.value.details()
     finally:
         thread.stop(grace=0.5)
 

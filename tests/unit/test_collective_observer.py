@@ -25,6 +25,7 @@ from worker_svc.executor.tp_runners import FollowerLoop, LeaderRunner, join_foll
 from worker_svc.parallel.collective_observer import CollectiveRecord, CollectiveRecorder
 from worker_svc.parallel.context import TPContext
 from worker_svc.parallel.group import destroy_tp, free_port, init_tp, tp_barrier
+from worker_svc.parallel.step_broadcast import HEADER_LEN
 
 SIZE = 2
 TIMEOUT_S = 60
@@ -172,7 +173,7 @@ def test_results_are_right_and_the_same_without_an_observer(group_run):
 def _expected_step(tokens: int, requests: int) -> list[tuple[str, tuple[int, ...]]]:
     """The leader's collectives in one TP=2 step of the tiny llama, in order."""
     return (
-        [("broadcast", (4,)), ("broadcast", (3 * tokens + 3 * requests,))]  # the step message: header, payload
+        [("broadcast", (HEADER_LEN,)), ("broadcast", (3 * tokens + 3 * requests,))]  # the step message: header, payload
         + [("all_reduce", (tokens, HIDDEN))]  # vocab-parallel embedding
         + [("all_reduce", (tokens, HIDDEN))] * (2 * LAYERS)  # per layer: o_proj (attention), down_proj (MLP)
         + [("all_gather", (requests, VOCAB_PER_RANK))]  # LM head, last token of each request

@@ -25,7 +25,7 @@ from tests.unit.oracle import encode_prompts
 from worker_svc.config.engine_config import EngineConfig
 from worker_svc.executor.model_runner import ModelRunner
 from worker_svc.executor.tp_runners import LeaderRunner, join_followers, spawn_followers
-from worker_svc.forward_batch import ForwardMode, StepInput
+from worker_svc.forward_batch import ForwardMode, StepInput, TableWrites
 from worker_svc.layers.embedding import VocabParallelEmbedding
 from worker_svc.layers.linear import (
     ColumnParallelLinear,
@@ -36,7 +36,7 @@ from worker_svc.layers.linear import (
 from worker_svc.parallel.context import TPContext
 from worker_svc.parallel.group import backend_for, destroy_tp, free_port, init_tp
 from worker_svc.parallel.shm_communicator import available as shm_unavailable
-from worker_svc.parallel.step_broadcast import pack_step, unpack_step
+from worker_svc.parallel.step_broadcast import HEADER_LEN, pack_step, unpack_step
 
 OUTPUT_LEN = 16
 # fp32 partial sums added in another order than TP=1's matmul: logits up to ~30 differ by a few ulps.
@@ -244,6 +244,12 @@ def _assert_same_step(a: StepInput, b: StepInput) -> None:
         assert y.dtype == torch.int64 and torch.equal(x.to(torch.int64), y), field
     assert a.seq_lens == b.seq_lens and a.prefix_lens == b.prefix_lens
     assert a.all_logits == b.all_logits
+    if a.table_writes is None or not a.table_writes.rows:
+        assert b.table_writes is None
+    else:
+        x, y = a.table_writes, b.table_writes
+        assert y is not None and (x.rows, x.starts, x.lens) == (y.rows, y.starts, y.lens)
+        assert y.slots.dtype == torch.int64 and torch.equal(x.slots, y.slots)
 
 
 def test_step_pack_unpack_round_trips():
@@ -266,14 +272,22 @@ def test_step_pack_unpack_round_trips():
         prefix_lens=[7, 3],
     )
     scored = dataclasses.replace(extend, all_logits=True)
-    for step in (extend, decode, scored):
+    # Radix-cache prefixes: row 3 gets 4 cached slots at 0.., row 0 two at 5.. (re-pointed after a chunk).
+    writes = TableWrites([3, 0], [0, 5], [4, 2], torch.tensor([7, 8, 9, 2**33, 1, 2]))
+    cached = dataclasses.replace(extend, table_writes=writes)
+    for step in (extend, decode, scored, cached):
         packed = pack_step(step)
         assert packed.dtype == torch.int64 and packed.dim() == 1
         n, b = step.input_ids.numel(), len(step.seq_lens)
-        assert packed[:4].tolist() == [0 if step.mode is ForwardMode.EXTEND else 1, n, b, int(step.all_logits)]
-        assert packed.numel() == 4 + 3 * n + 3 * b
+        w = len(step.table_writes.rows) if step.table_writes else 0
+        s = step.table_writes.slots.numel() if step.table_writes else 0
+        mode = 0 if step.mode is ForwardMode.EXTEND else 1
+        assert packed[:HEADER_LEN].tolist() == [mode, n, b, int(step.all_logits), w, s]
+        assert packed.numel() == HEADER_LEN + 3 * n + 3 * b + 3 * w + s
         _assert_same_step(step, unpack_step(packed))
-    assert unpack_step(torch.tensor([2, 0, 0, 0])) is None
+    assert unpack_step(torch.tensor([2] + [0] * (HEADER_LEN - 1))) is None
+    with pytest.raises(ValueError, match="payload"):
+        unpack_step(pack_step(cached)[:-1])
 
 
 def test_pack_rejects_inconsistent_steps():
@@ -281,6 +295,10 @@ def test_pack_rejects_inconsistent_steps():
                     torch.tensor([0]), [2], [1])
     with pytest.raises(ValueError):
         pack_step(bad)
+    good = StepInput(ForwardMode.DECODE, torch.tensor([1]), torch.tensor([1]), torch.tensor([3]), torch.tensor([0]),
+                     [2], [1])
+    with pytest.raises(ValueError, match="table writes"):
+        pack_step(dataclasses.replace(good, table_writes=TableWrites([0], [0], [3], torch.tensor([1, 2]))))
 
 
 def test_backend_follows_device():

@@ -33,6 +33,9 @@ class EngineConfig:
     new_token_reserve_ratio: float = 0.3
     # Let running requests decode inside extend steps instead of waiting for prefills to finish.
     enable_mixed_chunk: bool = True
+    # Radix prefix cache (sglang's RadixAttention): requests reuse the KV of token prefixes computed
+    # before, shared across requests and kept (evictable, LRU) after they finish. On unless disabled.
+    disable_radix_cache: bool = False
 
     # Matmul kernel for bf16 weights on the CPU (kernels/bf16_linear.py): "auto" picks "avx512_bf16" (this
     # project's kernel on pre-packed weights) on CPUs with AVX512-BF16, "fbgemm_fp16" (or "blocked_upcast"

@@ -53,6 +53,10 @@ class Engine:
         self.scheduler.submit(req)
         return req
 
+    def flush_cache(self) -> tuple[bool, str]:
+        """Empty the radix prefix cache (only while nothing runs or waits); (success, message)."""
+        return self.scheduler.flush_cache()
+
     def run_until_idle(self, max_steps: int = 1_000_000) -> None:
         for _ in range(max_steps):
             if not self.scheduler.has_work():

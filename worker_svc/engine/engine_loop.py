@@ -26,6 +26,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import structlog
@@ -69,6 +70,8 @@ class LoadSnapshot:
     max_running_requests: int
     gen_throughput: float  # generated tokens per second over the last few seconds
     retracted_waiting: int  # waiting requests that were retracted and await recompute
+    cached_tokens: int = 0  # held by the radix prefix cache
+    cache_hit_rate: float = 0.0  # prompt tokens found in the prefix cache / prompt tokens admitted
 
     @property
     def token_usage(self) -> float:
@@ -198,6 +201,17 @@ class EngineLoop:
             self._cv.notify()
         return True
 
+    def flush_cache(self) -> Future[tuple[bool, str]]:
+        """Ask the engine thread to empty the radix prefix cache between steps; the future gets
+        (success, message): refused while requests run or wait. Raises EngineUnavailable when the loop
+        does not run (nothing would answer)."""
+        with self._cv:
+            if self._state is not LoopState.RUNNING:
+                raise EngineUnavailable(f"engine is {self._state.value}")
+            future = self.scheduler.request_flush()
+            self._cv.notify()
+        return future
+
     def in_flight(self) -> list[str]:
         with self._cv:
             return list(self._sinks)
@@ -305,6 +319,7 @@ class EngineLoop:
             self.error = exc
             self._state = LoopState.FAILED
             failed, self._sinks = self._sinks, {}
+        self.scheduler.refuse_flushes(f"engine failed: {exc!r}")
         for rid, sink in failed.items():
             self._deliver(rid, sink, EngineUnavailable(f"engine failed: {exc!r}"))
         for callback in self._failure_callbacks:
@@ -334,4 +349,6 @@ class EngineLoop:
             max_running_requests=self.scheduler.engine_config.max_running_requests,
             gen_throughput=0.0,  # computed when read
             retracted_waiting=counts.retracted_waiting,
+            cached_tokens=counts.cached_tokens,
+            cache_hit_rate=counts.cache_hit_rate,
         )

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from worker_svc.kvcache.radix_cache import RadixNode
 from worker_svc.sampling import SamplingParams
 
 
@@ -37,12 +38,17 @@ class Request:
     # KV state: this request's row in the request -> token table and how many tokens are cached.
     req_row: int | None = None
     num_cached: int = 0
+    # Radix prefix cache: the row's first prefix_len slots are the cache's (matched at admission, or
+    # handed over after a prefill step), pinned by a lock on cache_node; the rest are the request's own.
+    prefix_len: int = 0
+    cache_node: RadixNode | None = None
     finish_reason: FinishReason | None = None
     matched_stop: int | None = None
     error: str | None = None
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
-    # Prompt tokens whose KV came from an earlier step (chunked prefill / retraction recompute excluded).
+    # Prompt tokens found in the radix prefix cache at first admission (usage's cached_tokens; the
+    # recompute of a retracted request does not count its own KV again).
     cached_prompt_tokens: int = 0
     num_retractions: int = 0
     arrival_time: float = field(default_factory=time.monotonic)

@@ -6,6 +6,16 @@ decode token for every running request. It owns KV accounting on the runner's ``
 taken from its allocator when a step needs them and returned when a request finishes, is aborted or is
 retracted.
 
+With the radix prefix cache (sglang's RadixAttention; off with ``--disable-radix-cache``) a slot is in
+exactly one place: free in the allocator, held by the cache (``kvcache/radix_cache.py``), or owned by
+one request. At admission a request matches its tokens (all but the last: one token is computed, for
+its logits) against the cache, points the head of its row at the cached slots and locks them; budgets
+count only its uncached tokens, and the cache's unlocked part counts as free (evicted, least recently
+used first, when a step needs the slots). After each prefill step or chunk, and when a request finishes,
+is aborted or is retracted, what it has computed goes into the cache: the slots the cache already had
+another copy of are freed, and a running request's row is re-pointed at the cache's copy. Row changes
+the leader makes here travel to tensor-parallel followers inside the next step (``TableWrites``).
+
 Thread model: ``submit``/``abort`` may be called from any thread (they only enqueue); ``step`` runs
 on the single engine thread.
 """
@@ -17,6 +27,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import structlog
@@ -25,8 +36,9 @@ import torch
 from worker_svc.config.engine_config import EngineConfig
 from worker_svc.engine.request import FinishReason, Request, RequestError, StepOutput
 from worker_svc.executor.step_runner import StepRunner
-from worker_svc.forward_batch import FatalStepError, ForwardMode, StepInput
+from worker_svc.forward_batch import FatalStepError, ForwardMode, StepInput, TableWrites
 from worker_svc.kvcache import KVCache
+from worker_svc.kvcache.radix_cache import RadixCache, RadixNode
 from worker_svc.sampling import SampleOutput, Sampler, SamplingBatch, SamplingParamError, SamplingParams
 
 log = structlog.get_logger(__name__)
@@ -40,9 +52,11 @@ class QueueCounts:
     waiting: int
     waiting_prompt_tokens: int
     retracted_waiting: int  # waiting requests that were retracted and await recompute
-    free_tokens: int
+    free_tokens: int  # free slots plus what the prefix cache could evict (as sglang counts them)
     total_tokens: int
     used_tokens: int
+    cached_tokens: int = 0  # held by the radix prefix cache (evictable or in use)
+    cache_hit_rate: float = 0.0  # of the prompt tokens admitted so far, the share found in the cache
 
 
 class Scheduler:
@@ -67,8 +81,16 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.chunked: Request | None = None  # a long prompt part-way through chunked prefill
+        self.cache: RadixCache | None = None if engine_config.disable_radix_cache else RadixCache(self.allocator)
+        # Row changes not made by a step's own slots, for the next step to carry (TP followers).
+        self._table_writes: list[tuple[int, int, torch.Tensor]] = []
+        self._no_slots = torch.empty(0, dtype=torch.int64, device=self.allocator.device)
+        # Prompt tokens at first admission, and how many of them the prefix cache held (hit rate).
+        self.prompt_tokens_admitted = 0
+        self.prompt_tokens_cached = 0
         self._inbox: list[Request] = []
         self._abort_inbox: list[str] = []
+        self._flush_inbox: list[Future[tuple[bool, str]]] = []
         self._lock = threading.Lock()
 
     # ---- API for other threads -------------------------------------------------------------------
@@ -107,15 +129,30 @@ class Scheduler:
         with self._lock:
             self._abort_inbox.append(rid)
 
+    def request_flush(self) -> Future[tuple[bool, str]]:
+        """Ask for ``flush_cache`` at the start of the next step; the future gets its (success, message)."""
+        future: Future[tuple[bool, str]] = Future()
+        with self._lock:
+            self._flush_inbox.append(future)
+        return future
+
+    def refuse_flushes(self, why: str) -> None:
+        """Answer every pending flush request with (False, why): the engine loop will not step again."""
+        with self._lock:
+            flushes, self._flush_inbox = self._flush_inbox, []
+        for future in flushes:
+            if future.set_running_or_notify_cancel():
+                future.set_result((False, f"cache not flushed: {why}"))
+
     def has_work(self) -> bool:
         with self._lock:
-            pending = bool(self._inbox or self._abort_inbox)
+            pending = bool(self._inbox or self._abort_inbox or self._flush_inbox)
         return pending or bool(self.waiting or self.running or self.chunked)
 
     def counts(self) -> QueueCounts:
         """Call when no step runs (on the engine thread between steps, or before it starts): the
         queues are read without the lock."""
-        free = self.allocator.available()
+        free = self._free_capacity()
         return QueueCounts(
             running=len(self.running) + (self.chunked is not None),
             waiting=len(self.waiting),
@@ -124,20 +161,44 @@ class Scheduler:
             free_tokens=free,
             total_tokens=self.allocator.size,
             used_tokens=self.allocator.size - free,
+            cached_tokens=self.cache.total_size() if self.cache is not None else 0,
+            cache_hit_rate=self.prompt_tokens_cached / max(1, self.prompt_tokens_admitted),
         )
+
+    def flush_cache(self) -> tuple[bool, str]:
+        """Empty the radix prefix cache, freeing its slots (FlushCache; engine thread only). As in
+        sglang, only while no request runs or waits: otherwise (False, why) and nothing changes."""
+        if self.cache is None:
+            return True, "the radix cache is disabled (--disable-radix-cache): nothing to flush"
+        busy = len(self.running) + len(self.waiting) + (self.chunked is not None)
+        if busy:
+            return False, f"cache not flushed: {busy} request(s) running or waiting"
+        tokens = self.cache.total_size()
+        if not self.cache.reset():  # cannot happen with no request live; say so rather than assert
+            return False, "cache not flushed: a cached prefix is still in use"
+        log.info("prefix cache flushed", tokens=tokens)
+        return True, f"flushed {tokens} cached tokens"
 
     # ---- the engine loop -------------------------------------------------------------------------
 
     def step(self) -> list[StepOutput]:
+        self._answer_flushes()
         outputs = self._drain_inbox()
         extend = self._schedule_extend()
         if extend:
-            outputs += self._run(ForwardMode.EXTEND, extend + self._mixed_decode(extend))
+            outputs += self._run(ForwardMode.EXTEND, extend + self._mixed_decode(extend), prefills=len(extend))
         elif self.running:
             decode = self._schedule_decode()
             if decode:
                 outputs += self._run(ForwardMode.DECODE, [(req, 1) for req in decode])
         return outputs
+
+    def _answer_flushes(self) -> None:
+        with self._lock:
+            flushes, self._flush_inbox = self._flush_inbox, []
+        for future in flushes:
+            if future.set_running_or_notify_cancel():
+                future.set_result(self.flush_cache())
 
     def _drain_inbox(self) -> list[StepOutput]:
         with self._lock:
@@ -161,20 +222,31 @@ class Scheduler:
         ratio = self.engine_config.new_token_reserve_ratio
         return math.ceil(ratio * sum(r.remaining_new_tokens for r in (*self.running, *extra)))
 
+    def _free_capacity(self) -> int:
+        """Slots a step can have: the free ones plus the prefix cache's unlocked (evictable) ones."""
+        return self.allocator.available() + (self.cache.evictable_size() if self.cache is not None else 0)
+
+    def _make_room(self, n: int) -> bool:
+        """Evict from the prefix cache until ``n`` slots are free; False if that is not enough."""
+        short = n - self.allocator.available()
+        if short > 0 and self.cache is not None:
+            self.cache.evict(short)
+        return self.allocator.available() >= n
+
     def _schedule_extend(self) -> list[tuple[Request, int]]:
         """Pick (request, new tokens) pairs for an extend step within the token and memory budgets."""
         budget = self.engine_config.max_prefill_tokens
-        available = self.allocator.available()
+        taken = 0  # slots this batch will allocate
         chunk_size = self.engine_config.chunked_prefill_size
         batch: list[tuple[Request, int]] = []
         if self.chunked is not None:
             req = self.chunked
-            n = min(req.seq_len - req.num_cached, chunk_size, budget, available)
+            n = min(req.seq_len - req.num_cached, chunk_size, budget, self._free_capacity())
             if n <= 0:
                 return []
             batch.append((req, n))
             budget -= n
-            available -= n
+            taken += n
             if req.num_cached + n < req.seq_len:
                 return batch  # one chunked request at a time
         admitted: list[Request] = []
@@ -183,20 +255,79 @@ class Scheduler:
             if full or not self.req_table.available():
                 break
             req = self.waiting[0]
-            need = req.seq_len + math.ceil(self.engine_config.new_token_reserve_ratio * req.remaining_new_tokens)
-            if need > available - self._reserved_for_decode(admitted):
+            prefix, node = self._match(req)
+            if node is not None:  # pinned first, so what the budget counts as evictable excludes it
+                assert self.cache is not None
+                self.cache.lock(node)
+            cached = int(prefix.numel())
+            reserve = math.ceil(self.engine_config.new_token_reserve_ratio * req.remaining_new_tokens)
+            if req.seq_len - cached + reserve > self._free_capacity() - taken - self._reserved_for_decode(admitted):
+                if node is not None:
+                    assert self.cache is not None
+                    self.cache.unlock(node)
                 break  # first come, first served: do not let later requests overtake it
-            n = min(req.seq_len, chunk_size, budget)
             self.waiting.popleft()
-            req.req_row = self.req_table.alloc()
+            row = self.req_table.alloc()
+            assert row is not None  # checked above
+            req.req_row = row
+            if cached:
+                self._write_row(row, 0, prefix)
+            req.num_cached = req.prefix_len = cached
+            req.cache_node = node
+            if req.num_retractions == 0:  # first admission: what usage reports as cached
+                req.cached_prompt_tokens = min(cached, len(req.prompt_ids))
+                self.prompt_tokens_admitted += len(req.prompt_ids)
+                self.prompt_tokens_cached += req.cached_prompt_tokens
+            n = min(req.seq_len - cached, chunk_size, budget)
             batch.append((req, n))
             admitted.append(req)
             budget -= n
-            available -= n
-            if n < req.seq_len:
+            taken += n
+            if cached + n < req.seq_len:
                 self.chunked = req
                 break
         return batch
+
+    # ---- the radix prefix cache ------------------------------------------------------------------
+
+    def _match(self, req: Request) -> tuple[torch.Tensor, RadixNode | None]:
+        """The cached slots of the request's longest cached prefix, leaving at least its last token to
+        compute (its logits choose the next token); (empty, None) without a cache."""
+        if self.cache is None:
+            return self._no_slots, None
+        return self.cache.match_prefix(req.fill_ids[: req.seq_len - 1])
+
+    def _write_row(self, row: int, start: int, slots: torch.Tensor) -> None:
+        """Point ``row`` at ``slots`` from ``start`` now, and tell the followers with the next step."""
+        self.req_table.write(row, start, slots)
+        self._table_writes.append((row, start, slots))
+
+    def _take_table_writes(self) -> TableWrites | None:
+        if not self._table_writes:
+            return None
+        writes, self._table_writes = self._table_writes, []
+        return TableWrites(
+            rows=[row for row, _, _ in writes],
+            starts=[start for _, start, _ in writes],
+            lens=[int(slots.numel()) for _, _, slots in writes],
+            slots=torch.cat([slots for _, _, slots in writes]),
+        )
+
+    def _cache_computed(self, req: Request) -> None:
+        """After a prefill step or chunk (sglang's cache_unfinished_req): put what the request has
+        computed into the cache, free its copies of what the cache already had, point its row at the
+        cache's slots and move its lock to the new end of its prefix."""
+        cache, row, node = self.cache, req.req_row, req.cache_node
+        assert cache is not None and row is not None and node is not None
+        key = req.fill_ids[: req.num_cached]
+        present = cache.insert(key, self.req_table.slots(row, req.num_cached))
+        shared, new_node = cache.match_prefix(key)
+        if present > req.prefix_len:  # another request cached these first: ours are duplicates
+            self.allocator.free(self.req_table.slots(row, present)[req.prefix_len :].clone())
+            self._write_row(row, req.prefix_len, shared[req.prefix_len : present])
+        cache.lock(new_node)
+        cache.unlock(node)
+        req.cache_node, req.prefix_len = new_node, req.num_cached
 
     def _mixed_decode(self, extend: list[tuple[Request, int]]) -> list[tuple[Request, int]]:
         """Running requests ride along in an extend step as one-token extends, so a long chunked
@@ -206,13 +337,14 @@ class Scheduler:
         in_extend = {id(req) for req, _ in extend}
         riders = [req for req in self.running if id(req) not in in_extend]
         needed = sum(n for _, n in extend) + len(riders)
-        if not riders or needed > self.allocator.available():
+        if not riders or needed > self._free_capacity():
             return []
         return [(req, 1) for req in riders]
 
     def _schedule_decode(self) -> list[Request]:
-        # Retract (free and requeue for recompute) the newest requests until every survivor gets a slot.
-        while self.allocator.available() < len(self.running):
+        # Evict unused cached prefixes, then retract (release and requeue for recompute) the newest
+        # requests, until every survivor gets a slot.
+        while not self._make_room(len(self.running)):
             victim = max(self.running, key=lambda r: r.arrival_time)
             if len(self.running) == 1 and self.chunked is not None:
                 victim = self.chunked
@@ -221,7 +353,7 @@ class Scheduler:
 
     def _retract(self, req: Request) -> None:
         log.info("retracting request", rid=req.rid, seq_len=req.seq_len, free=self.allocator.available())
-        self._free_kv(req)
+        self._free_kv(req)  # with the prefix cache its KV stays cached (evictable): the recompute can match it
         if req is self.chunked:
             self.chunked = None
         else:
@@ -230,17 +362,29 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def _free_kv(self, req: Request) -> None:
-        if req.req_row is None:
+        """Release the request's KV: without a cache its slots are freed; with one, what it computed
+        is cached (its copies of what the cache already held are freed) and its lock is dropped."""
+        row = req.req_row
+        if row is None:
             return
-        slots = self.req_table.slots(req.req_row, req.num_cached).clone()
-        self.allocator.free(slots)
-        self.req_table.free(req.req_row)
+        slots = self.req_table.slots(row, req.num_cached).clone()
+        if self.cache is None:
+            self.allocator.free(slots)
+        else:
+            assert req.cache_node is not None
+            present = self.cache.insert(req.fill_ids[: req.num_cached], slots)
+            self.allocator.free(slots[req.prefix_len : present])
+            self.cache.unlock(req.cache_node)
+        self.req_table.free(row)
+        if self._table_writes:  # the row is gone: its pending writes would only dirty the next owner's
+            self._table_writes = [w for w in self._table_writes if w[0] != row]
         req.req_row = None
-        req.num_cached = 0
+        req.num_cached = req.prefix_len = 0
+        req.cache_node = None
 
     def _build_step(self, mode: ForwardMode, batch: list[tuple[Request, int]]) -> StepInput | None:
         total = sum(n for _, n in batch)
-        slots = self.allocator.alloc(total)
+        slots = self.allocator.alloc(total) if self._make_room(total) else None
         if slots is None:
             return None
         ids: list[int] = []
@@ -257,9 +401,12 @@ class Scheduler:
             req_rows=torch.tensor([req.req_row for req, _ in batch], dtype=torch.int64),
             seq_lens=[req.num_cached + n for req, n in batch],
             prefix_lens=[req.num_cached for req, _ in batch],
+            table_writes=self._take_table_writes(),
         )
 
-    def _run(self, mode: ForwardMode, batch: list[tuple[Request, int]]) -> list[StepOutput]:
+    def _run(self, mode: ForwardMode, batch: list[tuple[Request, int]], prefills: int = 0) -> list[StepOutput]:
+        """Run one step; the first ``prefills`` entries of ``batch`` are prefills (or chunks of one),
+        the rest one-token decodes."""
         step = self._build_step(mode, batch)
         if step is None:  # accounting says it fits; if not, requeue rather than fail anyone
             for req, _ in batch:
@@ -277,6 +424,9 @@ class Scheduler:
             return [self._finish(req, FinishReason.ABORT, error=f"internal error: {exc}") for req, _ in batch]
         for req, n in batch:
             req.num_cached += n
+        if self.cache is not None:
+            for req, _ in batch[:prefills]:
+                self._cache_computed(req)
         ready = [i for i, (req, _) in enumerate(batch) if req.num_cached == req.seq_len]
         for i, (req, _) in enumerate(batch):
             if i in ready and req is self.chunked:

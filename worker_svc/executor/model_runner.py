@@ -163,6 +163,12 @@ class ModelRunner:
 
     def _record_slots(self, step: StepInput) -> None:
         table = self.kv.req_table
+        writes = step.table_writes
+        if writes is not None:  # cached prefixes first: the step's own slots come after them
+            offset = 0
+            for row, start, length in zip(writes.rows, writes.starts, writes.lens, strict=True):
+                table.write(row, start, writes.slots[offset : offset + length])
+                offset += length
         if step.mode is ForwardMode.DECODE:
             table.write_last(step.req_rows, step.seq_lens, step.out_slots)
             return

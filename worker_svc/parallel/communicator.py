@@ -69,10 +69,10 @@ class ProcessGroupCommunicator:
         return parts
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
-        dist.broadcast(tensor, src=src, group=self.group)
+        dist.broadcast(tensor, group=self.group, group_src=src)  # src is a rank of this group
 
     def broadcast_start(self, tensor: torch.Tensor, src: int) -> WorkHandle:
-        work = dist.broadcast(tensor, src=src, group=self.group, async_op=True)
+        work = dist.broadcast(tensor, group=self.group, async_op=True, group_src=src)
         assert work is not None
         return work
 

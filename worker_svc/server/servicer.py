@@ -418,6 +418,8 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
             "tp_comm": self.runner.tp.comm_kind,
             "kernels": runner.kernels.describe(),
             "page_size": 1,
+            "radix_cache": self.engine.scheduler.cache is not None,
+            "radix_cache_tokens": self.loop.load().cached_tokens,  # as of the last step
         }
 
     async def GetServerInfo(self, request, context) -> pb.GetServerInfoResponse:  # noqa: N802
@@ -447,7 +449,7 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
             max_total_num_tokens=snap.total_tokens,
             token_usage=snap.token_usage,
             gen_throughput=snap.gen_throughput,
-            cache_hit_rate=0.0,
+            cache_hit_rate=snap.cache_hit_rate,
             utilization=snap.running / snap.max_running_requests if snap.max_running_requests else 0.0,
             max_running_requests=snap.max_running_requests,
             num_waiting_uncached_tokens=snap.waiting_prompt_tokens,
@@ -498,7 +500,20 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Embed is not supported: this is a generation model")
 
     async def FlushCache(self, request, context):  # noqa: N802
-        return common_pb2.FlushCacheResponse(success=True, message="no prefix cache to flush")
+        """Empty the radix prefix cache (sglang's rule: only while no request runs or waits, else
+        success=False saying why); UNAVAILABLE when the engine does not run."""
+        try:
+            future = self.loop.flush_cache()
+        except EngineUnavailable as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"cache not flushed: {exc}")
+        limit = self.options.step_stall_timeout_s
+        try:
+            success, message = await asyncio.wait_for(asyncio.wrap_future(future), limit)
+        except asyncio.TimeoutError:
+            future.cancel()
+            success, message = False, f"cache not flushed: the engine did not get to it within {limit:g}s"
+        log.info("flush cache", success=success, message=message)
+        return common_pb2.FlushCacheResponse(success=success, message=message)
 
     async def StartProfile(self, request, context):  # noqa: N802
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, "profiling is not supported")
