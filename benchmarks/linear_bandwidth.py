@@ -76,7 +76,8 @@ def linear_bandwidth(runner: ModelRunner, repeats: int = 20) -> dict[str, float]
             step()
             best = min(best, time.perf_counter() - start)
     nbytes = sum(b for _, _, b in linears)
-    return {"linears": len(linears), "weight_bytes": nbytes, "linears_ms": best * 1e3, "linears_gbs": nbytes / best / 1e9}
+    return {"linears": len(linears), "weight_bytes": nbytes, "linears_ms": best * 1e3,
+            "linears_gbs": nbytes / best / 1e9}
 
 
 def main() -> None:

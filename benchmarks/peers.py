@@ -201,9 +201,11 @@ def main() -> None:
               f"{ratio(ours, peer, 'tok_s', 16)}, prefill bs1 {ratio(ours, peer, 'prefill_tok_s', 1)}")
     if bandwidth:
         fractions = [b["fraction_of_host"] for b in bandwidth]
-        print(f"\nbs1 bf16 linears: {' / '.join(f'{b['linears_gbs']:.1f}' for b in bandwidth)} GB/s against the host's "
-              f"{' / '.join(f'{b['host_read_gbs']:.1f}' for b in bandwidth)} GB/s read bandwidth "
-              f"({' / '.join(f'{f:.0%}' for f in fractions)}; median {statistics.median(fractions):.0%})")
+        linears = " / ".join(format(b["linears_gbs"], ".1f") for b in bandwidth)
+        host = " / ".join(format(b["host_read_gbs"], ".1f") for b in bandwidth)
+        shares = " / ".join(format(f, ".0%") for f in fractions)
+        print(f"\nbs1 bf16 linears: {linears} GB/s against the host's {host} GB/s read bandwidth "
+              f"({shares}; median {statistics.median(fractions):.0%})")
     for line in skipped:
         print(f"skipped {line}")
 
