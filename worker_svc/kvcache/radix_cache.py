@@ -12,6 +12,10 @@ slots of their edge's tokens, shared across requests.
 
 The tree owns the slots it holds: a slot is free in the allocator, held by the tree, or owned by one
 running request, never two of these. Page size 1: a node's edge may be cut at any token.
+
+KV events (``start_events`` / ``stop_events``, kvcache/kv_events.py): while a recorder is installed,
+an inserted node records the blocks it completes (stored), an evicted leaf the blocks it held
+(removed) and ``reset`` a clear; without one the hooks cost an ``is None`` test.
 """
 
 from __future__ import annotations
@@ -22,7 +26,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from llmserve.kv_hash import block_digests, to_int64
 from worker_svc.kvcache.allocator import KVSlotAllocator
+from worker_svc.kvcache.kv_events import KvEventRecorder
 
 
 @dataclass(eq=False)
@@ -33,6 +39,9 @@ class RadixNode:
     children: dict[int, RadixNode] = field(default_factory=dict)  # by first token of the child's edge
     lock_ref: int = 0
     last_access: int = 0  # a tick of the tree's clock: LRU order without wall-clock ties
+    depth: int = 0  # tokens on the path above this node's edge
+    # With KV events on: digests of the event blocks whose last token is on this edge, in order.
+    digests: list[bytes] | None = None
 
 
 def _common_len(a: list[int], b: list[int]) -> int:
@@ -51,6 +60,7 @@ class RadixCache:
         self.root = RadixNode(key=[], value=self._empty, parent=None, lock_ref=1)  # never evicted
         self._evictable = 0
         self._protected = 0
+        self.events: KvEventRecorder | None = None
 
     # ---- sizes -----------------------------------------------------------------------------------
 
@@ -91,20 +101,26 @@ class RadixCache:
         already cached. The tree takes ownership of ``value[returned:]`` only."""
         if len(key) != value.numel():
             raise ValueError(f"insert of {len(key)} tokens with {value.numel()} slots")
+        full, events = key, self.events
         node, present = self.root, 0
+        prior: bytes | None = None  # with events: digest of the last block on the path so far
         tick = next(self._clock)
         node.last_access = tick
         while key:
             child = node.children.get(key[0])
             if child is None:
-                leaf = RadixNode(key=list(key), value=value.clone(), parent=node, last_access=tick)
+                leaf = RadixNode(key=list(key), value=value.clone(), parent=node, last_access=tick, depth=present)
                 node.children[key[0]] = leaf
                 self._evictable += len(key)
+                if events is not None:
+                    self._record_stored(events, leaf, full, prior)
                 break
             common = _common_len(child.key, key)
             if common < len(child.key):
                 child = self._split(child, common)
             child.last_access = tick
+            if events is not None and child.digests:
+                prior = child.digests[-1]
             present += common
             node, key, value = child, key[common:], value[common:]
         return present
@@ -115,8 +131,15 @@ class RadixCache:
         parent = child.parent
         assert parent is not None and 0 < at < len(child.key)
         head = RadixNode(key=child.key[:at], value=child.value[:at], parent=parent,
-                         lock_ref=child.lock_ref, last_access=child.last_access)
+                         lock_ref=child.lock_ref, last_access=child.last_access, depth=child.depth)
+        if self.events is not None and child.digests is not None:  # the blocks ending on the head go with it
+            size = self.events.block_size
+            n = (child.depth + at) // size - child.depth // size
+            head.digests, child.digests = child.digests[:n], child.digests[n:]
+        else:
+            child.digests = None
         child.key, child.value, child.parent = child.key[at:], child.value[at:], head
+        child.depth += at
         head.children[child.key[0]] = child
         parent.children[head.key[0]] = head
         return head
@@ -145,16 +168,22 @@ class RadixCache:
     def evict(self, num_tokens: int) -> int:
         """Free at least ``num_tokens`` slots from unlocked leaves, least recently used first (fewer
         when less is evictable); returns the number freed."""
+        return self._evict(num_tokens, self.events)
+
+    def _evict(self, num_tokens: int, events: KvEventRecorder | None) -> int:
         if num_tokens <= 0 or self._evictable == 0:
             return 0
         heap = [(leaf.last_access, id(leaf), leaf) for leaf in self._leaves() if leaf.lock_ref == 0]
         heapq.heapify(heap)
         freed, doomed = 0, []
+        removed: list[int] = []
         while freed < num_tokens and heap:
             _, _, leaf = heapq.heappop(heap)
             parent = leaf.parent
             assert parent is not None
             doomed.append(leaf.value)
+            if events is not None and leaf.digests:
+                removed += [to_int64(d) for d in leaf.digests]
             freed += len(leaf.key)
             self._evictable -= len(leaf.key)
             del parent.children[leaf.key[0]]
@@ -162,6 +191,9 @@ class RadixCache:
                 heapq.heappush(heap, (parent.last_access, id(parent), parent))
         if doomed:
             self.allocator.free(torch.cat(doomed))
+        if removed:
+            assert events is not None
+            events.removed(removed)
         return freed
 
     def reset(self) -> bool:
@@ -169,9 +201,51 @@ class RadixCache:
         locked, i.e. while a request uses the cache."""
         if self._protected:
             return False
-        self.evict(self._evictable)
+        self._evict(self._evictable, None)  # one clear instead of a removal per block
         assert not self.root.children and self._evictable == 0
+        if self.events is not None:
+            self.events.cleared()
         return True
+
+    # ---- KV events -------------------------------------------------------------------------------
+
+    def _record_stored(self, events: KvEventRecorder, node: RadixNode, path: list[int], prior: bytes | None) -> None:
+        """Hash the blocks that end on ``node``'s edge (``path`` holds the tokens from the root at least
+        to the edge's end; ``prior`` is the digest of the block before them) and record them."""
+        size = events.block_size
+        start, end = node.depth, node.depth + len(node.key)
+        first, last = (start // size) * size, (end // size) * size
+        node.digests = block_digests(path, first, last, size, prior) if last > first else []
+        if node.digests:
+            events.stored(None if prior is None else to_int64(prior), [to_int64(d) for d in node.digests],
+                          [path[i : i + size] for i in range(first, last, size)])
+
+    def start_events(self, block_size: int) -> KvEventRecorder:
+        """Install a recorder and record the tree as it stands: a clear, then every block, parents
+        first. Engine thread only."""
+        events = KvEventRecorder(block_size)
+        self.events = events
+        events.cleared()
+        path: list[int] = []  # tokens from the root to the node being entered
+        stack: list[tuple[RadixNode, bytes | None, bool]] = [(c, None, False) for c in self.root.children.values()]
+        while stack:
+            node, prior, leaving = stack.pop()
+            if leaving:
+                del path[node.depth :]
+                continue
+            node.depth = len(path)
+            path.extend(node.key)
+            self._record_stored(events, node, path, prior)
+            stack.append((node, None, True))
+            last = node.digests[-1] if node.digests else prior
+            stack.extend((c, last, False) for c in node.children.values())
+        return events
+
+    def stop_events(self) -> None:
+        """Remove the recorder and forget the digests (``start_events`` recomputes them)."""
+        self.events = None
+        for node in self.nodes():
+            node.digests = None
 
     # ---- inspection ------------------------------------------------------------------------------
 
