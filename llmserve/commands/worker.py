@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from llmserve.arg_types import count, positive_seconds
+from llmserve.arg_types import count, positive_count, positive_seconds
 from llmserve.commands.engine_args import add_engine_args, engine_config_from_args
 from llmserve.logging import configure_logging
 from llmserve.security_args import add_server_args
@@ -196,6 +196,7 @@ def _native_heap_policy(mmap_threshold: int) -> None:
 
 
 def worker_options(args: argparse.Namespace) -> WorkerOptions:
+    from worker_svc.server.kv_events import KvEventsOptions
     from worker_svc.server.servicer import WorkerOptions
 
     return WorkerOptions(
@@ -204,6 +205,7 @@ def worker_options(args: argparse.Namespace) -> WorkerOptions:
         health_probe_timeout_s=args.health_probe_timeout,
         step_stall_timeout_s=args.step_stall_timeout,
         max_queued_requests=args.max_queued_requests,
+        kv_events=KvEventsOptions(block_size=args.kv_events_block_size),
     )
 
 
@@ -310,6 +312,14 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="seconds in-flight calls may run on after SIGTERM before they are aborted",
     )
     add_worker_limit_args(g)
+    g.add_argument(
+        "--kv-events-block-size",
+        type=positive_count,
+        default=16,
+        metavar="N",
+        help="tokens per block in the KV cache events of SubscribeKvEvents (what smg's cache_aware policy "
+        "and the router's prefix policy route by); the KV pool's page stays 1 token (default 16)",
+    )
     g.add_argument("--debug-step-delay", type=float, default=0.0, metavar="S", help=argparse.SUPPRESS)
     g.add_argument("--log-json", action="store_true", help="JSON log lines")
     g.add_argument("--log-level", choices=LOG_LEVELS, default="info")

@@ -424,6 +424,9 @@ def test_worker_without_radix_cache(worker_model):
             assert json_format.MessageToDict(info.scheduler_info)["radix_cache"] is False
             flushed = stub.FlushCache(common_pb2.FlushCacheRequest(), timeout=TIMEOUT)
             assert flushed.success and "disabled" in flushed.message
+            with pytest.raises(grpc.RpcError) as err:  # no cache, no KV events (a gateway then stops asking)
+                list(stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(), timeout=TIMEOUT))
+            assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED and "--disable-radix-cache" in err.value.details()
     finally:
         thread.stop(grace=0.5)
 
@@ -447,12 +450,6 @@ def test_get_tokenizer_zip_round_trips(stub, worker_model, tmp_path):
     parts = list(grpc_convert.tokenizer_chunks(data, chunks[-1].sha256, chunk_bytes=1000))
     assert len(parts) > 1 and b"".join(p.data for p in parts) == data
     assert [bool(p.sha256) for p in parts] == [False] * (len(parts) - 1) + [True]
-
-
-def test_subscribe_kv_events_is_unimplemented(stub):
-    with pytest.raises(grpc.RpcError) as err:
-        list(stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(), timeout=TIMEOUT))
-    assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
 
 
 # ---- failure and shutdown ------------------------------------------------------------------------

@@ -16,6 +16,10 @@ process group's timeout and all collectives stay on this one thread.
 
 ``before_step`` runs on the engine thread at the start of every step, inside the step's time (so a
 slow one counts as a slow step): the worker's ``--debug-step-delay`` test hook sleeps there.
+
+``call_on_engine(fn)`` runs ``fn`` on the engine thread between steps (waking it if idle) and gives its
+result in a future; ``add_step_listener(fn)`` runs ``fn`` there after every step and every such call
+(the KV event publisher takes the step's cache events so).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import structlog
 
@@ -42,6 +47,7 @@ log = structlog.get_logger(__name__)
 Sink = Callable[["StepOutput | EngineUnavailable"], None]
 
 _THROUGHPUT_WINDOW_S = 10.0
+T = TypeVar("T")
 
 
 class EngineUnavailable(RuntimeError):
@@ -97,6 +103,8 @@ class EngineLoop:
         self._state = LoopState.CREATED
         self._stop_requested = False
         self._failure_callbacks: list[Callable[[BaseException], None]] = []
+        self._engine_calls: list[tuple[Callable[[], Any], Future[Any]]] = []
+        self._step_listeners: list[Callable[[], None]] = []
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._generated: deque[tuple[float, int]] = deque()
@@ -212,6 +220,21 @@ class EngineLoop:
             self._cv.notify()
         return future
 
+    def call_on_engine(self, fn: Callable[[], T]) -> Future[T]:
+        """Run ``fn`` on the engine thread before its next step (at once if idle); the future gets its
+        result or exception. Raises EngineUnavailable when the loop does not run."""
+        future: Future[T] = Future()
+        with self._cv:
+            if self._state is not LoopState.RUNNING:
+                raise EngineUnavailable(f"engine is {self._state.value}")
+            self._engine_calls.append((fn, future))
+            self._cv.notify()
+        return future
+
+    def add_step_listener(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the engine thread after every step and every ``call_on_engine`` (cheap)."""
+        self._step_listeners.append(fn)
+
     def in_flight(self) -> list[str]:
         with self._cv:
             return list(self._sinks)
@@ -250,7 +273,7 @@ class EngineLoop:
             while True:
                 tick = False
                 with self._cv:
-                    while not self.scheduler.has_work() and not self._stop_requested:
+                    while not self.scheduler.has_work() and not self._stop_requested and not self._engine_calls:
                         if self._state is LoopState.FAILED:
                             return
                         if self._idle_tick is None:
@@ -263,8 +286,13 @@ class EngineLoop:
                         self._cv.wait(left)
                     if self._state is LoopState.FAILED:
                         return
-                    if not tick and not self.scheduler.has_work():
+                    calls, self._engine_calls = self._engine_calls, []
+                    if not tick and not calls and not self.scheduler.has_work():
                         break  # stop requested and nothing left
+                if calls:
+                    self._run_calls(calls)
+                    if not self.scheduler.has_work():
+                        continue
                 if tick and self._idle_tick is not None:  # tick is only set when there is one
                     self._idle_tick()
                     last_activity = time.monotonic()
@@ -279,6 +307,7 @@ class EngineLoop:
                 if self._state is LoopState.FAILED:  # failed from another thread during the step
                     return
                 self._dispatch(outputs)
+                self._after_step()
         except BaseException as exc:  # noqa: BLE001 - any escape leaves the engine in an unknown state
             self.step_started_at = None
             self._fail(exc)
@@ -288,6 +317,31 @@ class EngineLoop:
             leftover, self._sinks = self._sinks, {}
         for rid, sink in leftover.items():  # cannot happen while the scheduler drains; be safe
             self._deliver(rid, sink, EngineUnavailable("engine stopped"))
+        self._refuse_calls("engine stopped")
+
+    def _run_calls(self, calls: list[tuple[Callable[[], Any], Future[Any]]]) -> None:
+        for fn, future in calls:
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn())
+            except Exception as exc:  # noqa: BLE001 - the caller gets it; the engine carries on
+                future.set_exception(exc)
+        self._after_step()
+
+    def _after_step(self) -> None:
+        for listener in self._step_listeners:
+            try:
+                listener()
+            except Exception:  # noqa: BLE001 - a broken listener must not take the engine down
+                log.exception("engine step listener failed")
+
+    def _refuse_calls(self, why: str) -> None:
+        with self._cv:
+            calls, self._engine_calls = self._engine_calls, []
+        for _, future in calls:
+            if future.set_running_or_notify_cancel():
+                future.set_exception(EngineUnavailable(why))
 
     def _dispatch(self, outputs: list[StepOutput]) -> None:
         generated = sum(len(out.new_token_ids) for out in outputs)
@@ -320,6 +374,7 @@ class EngineLoop:
             self._state = LoopState.FAILED
             failed, self._sinks = self._sinks, {}
         self.scheduler.refuse_flushes(f"engine failed: {exc!r}")
+        self._refuse_calls(f"engine failed: {exc!r}")
         for rid, sink in failed.items():
             self._deliver(rid, sink, EngineUnavailable(f"engine failed: {exc!r}"))
         for callback in self._failure_callbacks:

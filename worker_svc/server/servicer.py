@@ -44,6 +44,7 @@ from worker_svc.engine.request import RequestError, StepOutput
 from worker_svc.sampling import SamplingParams
 from worker_svc.server import convert as grpc_convert
 from worker_svc.server.calls import CallRegistry
+from worker_svc.server.kv_events import CursorOutOfRange, KvEventPublisher, KvEventsOptions, SubscriberDropped
 
 log = structlog.get_logger(__name__)
 
@@ -77,6 +78,7 @@ class WorkerOptions:
     # (max_running_requests); a Generate that would exceed it is RESOURCE_EXHAUSTED at once
     # (--max-queued-requests).
     max_queued_requests: int = 1024
+    kv_events: KvEventsOptions = KvEventsOptions()  # SubscribeKvEvents (worker_svc/server/kv_events.py)
 
 
 def _sink(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, tag: Any) -> Callable[[Any], None]:
@@ -136,6 +138,8 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
         self.calls = CallRegistry()  # Generate calls in flight, by the ids their callers gave them
         self._probe: asyncio.Future | None = None
         self._tokenizer_bundle: tuple[bytes, str] | None = None
+        # KV events exist only with the radix cache (there is nothing to announce without it).
+        self.kv_events = KvEventPublisher(loop, options.kv_events) if self.engine.scheduler.cache is not None else None
 
     # ---- health ----------------------------------------------------------------------------------
 
@@ -491,10 +495,32 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
         for chunk in grpc_convert.tokenizer_chunks(data, sha256):
             yield chunk
 
-    # ---- not supported ---------------------------------------------------------------------------
+    async def SubscribeKvEvents(  # noqa: N802
+        self, request: common_pb2.SubscribeKvEventsRequest, context
+    ) -> AsyncIterator[common_pb2.KvEventBatch]:
+        """The radix cache's block events and the engine's load (worker_svc/server/kv_events.py)."""
+        structlog.contextvars.clear_contextvars()
+        if self.kv_events is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "KV cache events are not published: the radix "
+                                "cache is disabled (--disable-radix-cache)")
+        assert self.kv_events is not None
+        try:
+            sub = self.kv_events.subscribe(request.start_sequence_number, request.load_records_before_first_batch)
+        except CursorOutOfRange as exc:
+            await context.abort(grpc.StatusCode.OUT_OF_RANGE, f"start_sequence_number: {exc}")
+        except EngineUnavailable as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"worker is not serving: {exc}")
+        try:
+            await context.send_initial_metadata(())  # a subscriber learns at once that the stream is up
+            async for batch in self.kv_events.stream(sub):
+                yield batch
+        except SubscriberDropped as exc:
+            code = grpc.StatusCode.DATA_LOSS if exc.data_loss else grpc.StatusCode.UNAVAILABLE
+            await context.abort(code, str(exc))
+        finally:
+            self.kv_events.unsubscribe(sub)
 
-    async def SubscribeKvEvents(self, request, context):  # noqa: N802
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "KV cache events are not published by this worker")
+    # ---- not supported ---------------------------------------------------------------------------
 
     async def Embed(self, request, context):  # noqa: N802
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Embed is not supported: this is a generation model")
