@@ -44,16 +44,20 @@ def _free_port() -> int:
 
 
 class Gateway:
-    def __init__(self, worker_address: str, workdir: Path, tokenizer_path: Path | None) -> None:
+    def __init__(self, worker_address: str | list[str], workdir: Path, tokenizer_path: Path | None,
+                 policy: str = "round_robin", extra: tuple[str, ...] = ()) -> None:
         self.port = _free_port()
+        self.metrics_port = _free_port()
         workdir.mkdir(parents=True, exist_ok=True)
         self.log_path = workdir / "smg.log"
+        addresses = [worker_address] if isinstance(worker_address, str) else worker_address
         cmd = [
             str(SMG), "launch",
             "--host", "127.0.0.1", "--port", str(self.port),
-            "--worker-urls", f"grpc://{worker_address}",
-            "--policy", "round_robin",
-            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(_free_port()),
+            "--worker-urls", *(f"grpc://{a}" for a in addresses),
+            "--policy", policy,
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(self.metrics_port),
+            *extra,
         ]
         if tokenizer_path is not None:
             cmd += ["--tokenizer-path", str(tokenizer_path)]
@@ -77,6 +81,14 @@ class Gateway:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
+
+    def metrics(self) -> str:
+        conn = http.client.HTTPConnection("127.0.0.1", self.metrics_port, timeout=10)
+        try:
+            conn.request("GET", "/metrics")
+            return conn.getresponse().read().decode()
+        finally:
+            conn.close()
 
     def connection(self) -> http.client.HTTPConnection:
         return http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
@@ -279,3 +291,88 @@ def test_gateway_fetches_the_tokenizer_from_the_worker(model_dir, engine, tokeni
     finally:
         gw.stop()
         thread.stop(grace=0.5)
+
+
+# ---- cache_aware (smg's default policy) over two workers, routing by their KV events ----------------
+
+
+@pytest.fixture(scope="module")
+def two_workers(model_dir, tmp_path_factory):
+    procs = [launch_worker(model_dir, tmp_path_factory.mktemp(f"smg-kv-worker{i}"), "--served-model-name", MODEL_NAME,
+                           **ENGINE) for i in range(2)]
+    yield procs
+    for proc in procs:
+        assert proc.terminate() == 0
+
+
+def _served_by(workers, request_id: str) -> list[int]:
+    """Which workers logged a Generate of smg's request ``request_id`` (its response "id")."""
+    return [i for i, w in enumerate(workers)
+            if any(r.get("request_id") == request_id and r["event"] == "generate accepted" for r in w.log_records())]
+
+
+def _metric(text: str, name: str, **labels: str) -> float:
+    """The value of the Prometheus sample ``name`` whose labels include ``labels`` (0 if none)."""
+    for line in text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def _warm(address: str, ids: list[int]) -> None:
+    """Cache ``ids`` on one worker by a Generate straight to it: smg never sees this request."""
+    request = pb.GenerateRequest(tokenized=pb.TokenizedInput(input_ids=ids),
+                                 sampling_params=pb.SamplingParams(temperature=0.0, max_new_tokens=1))
+    with grpc.insecure_channel(address) as ch:
+        list(pb_grpc.SglangSchedulerStub(ch).Generate(request, timeout=30))
+
+
+def test_cache_aware_routes_by_the_workers_kv_events(two_workers, model_dir, engine, tokenizer, tmp_path):
+    """smg 1.13's default policy subscribes to both workers' KV events and sends a prompt to the
+    worker whose cache holds it: one cached there behind smg's back (a Generate straight to the
+    worker), and the repeats of one smg itself placed (usage reports the cached tokens)."""
+    gw = Gateway([w.address for w in two_workers], tmp_path / "smg", tokenizer_path=model_dir, policy="cache_aware")
+    try:
+        gw.wait_ready()
+        deadline = time.monotonic() + 30
+        while not all(any(r["event"] == "KV event subscriber joined" for r in w.log_records()) for w in two_workers):
+            assert time.monotonic() < deadline, f"smg did not subscribe to KV events:\n{gw.log()[-3000:]}"
+            time.sleep(0.1)
+        texts = [f"Story {i}: " + " ".join(f"word{i}x{j}" for j in range(60)) for i in range(4)]
+        ids = [tokenizer.encode(t, add_special_tokens=False).ids for t in texts]
+        # Each worker caches two of the prompts behind smg's back; smg must find them by their events.
+        for k, prompt_ids in enumerate(ids):
+            _warm(two_workers[k % 2].address, prompt_ids)
+        time.sleep(0.5)  # the events reach smg
+        for k, (text, prompt_ids) in enumerate(zip(texts, ids, strict=True)):
+            body = {"model": MODEL_NAME, "prompt": text, "max_tokens": 4, "temperature": 0}
+            response = gw.post("/v1/completions", body)
+            (choice,) = response["choices"]
+            assert (choice["text"], choice["finish_reason"]) == _expected(engine, tokenizer, prompt_ids, 4)
+            assert _served_by(two_workers, response["id"]) == [k % 2], f"prompt {k} went elsewhere"
+            assert response["usage"]["prompt_tokens_details"]["cached_tokens"] >= len(prompt_ids) - 16
+        # A long prompt smg places itself (a miss: the less loaded worker); its repeats go there too.
+        text = "A longer tale: " + " ".join(f"step{j}" for j in range(80))
+        prompt_ids = tokenizer.encode(text, add_special_tokens=False).ids
+        served, cached = [], []
+        body = {"model": MODEL_NAME, "prompt": text, "max_tokens": 4, "temperature": 0}
+        for _ in range(3):
+            response = gw.post("/v1/completions", body)
+            # (smg holds back a trailing incomplete UTF-8 sequence that the tokenizer decodes to U+FFFD)
+            expected = _expected(engine, tokenizer, prompt_ids, 4)[0].rstrip("\ufffd")
+            assert response["choices"][0]["text"].rstrip("\ufffd") == expected
+            served += _served_by(two_workers, response["id"])
+            cached.append(response["usage"]["prompt_tokens_details"]["cached_tokens"])
+            time.sleep(0.3)  # its KV events reach smg before the repeat
+        assert len(set(served)) == 1 and len(served) == 3, served
+        assert cached[0] == 0 and all(c >= len(prompt_ids) - 16 for c in cached[1:]), cached
+        # smg's own account: every cache hit came from the event index, fed by both workers' streams.
+        metrics = gw.metrics()
+        assert _metric(metrics, "smg_cache_aware_policy_branch_total", branch="event_hit") >= 6, metrics[-3000:]
+        for w in two_workers:
+            labels = {"worker": f"grpc://{w.address}"}
+            assert _metric(metrics, "smg_kv_event_batches_total", disposition="applied", **labels) > 0
+            assert _metric(metrics, "smg_kv_event_blocks_total", op="stored", **labels) > 0
+        assert "Learned block_size from KV event" in gw.log()
+    finally:
+        gw.stop()
