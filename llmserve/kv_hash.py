@@ -13,20 +13,23 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 
-def block_digests(tokens: Sequence[int], start: int, end: int, block_size: int, prior: bytes | None) -> list[bytes]:
+def iter_digests(tokens: Sequence[int], start: int, end: int, block_size: int, prior: bytes | None) -> Iterator[bytes]:
     """Digests of the blocks ``tokens[start:end]`` (``start`` and ``end`` multiples of ``block_size``),
-    chained from ``prior``: the digest of the block just before ``start`` (None when ``start`` is 0)."""
-    out: list[bytes] = []
+    chained from ``prior``: the digest of the block just before ``start`` (None when ``start`` is 0).
+    Lazy, so a lookup can stop at its first miss."""
     pack = struct.Struct(f"<{block_size}I").pack
     for i in range(start, end, block_size):
         h = hashlib.sha256(prior) if prior is not None else hashlib.sha256()
         h.update(pack(*tokens[i : i + block_size]))
         prior = h.digest()
-        out.append(prior)
-    return out
+        yield prior
+
+
+def block_digests(tokens: Sequence[int], start: int, end: int, block_size: int, prior: bytes | None) -> list[bytes]:
+    return list(iter_digests(tokens, start, end, block_size, prior))
 
 
 def to_int64(digest: bytes) -> int:
@@ -34,7 +37,11 @@ def to_int64(digest: bytes) -> int:
     return int.from_bytes(digest[:8], "big", signed=True)
 
 
-def prefix_block_hashes(tokens: Sequence[int], block_size: int) -> list[int]:
-    """The block hashes of every full block of ``tokens``, first block first."""
+def iter_block_hashes(tokens: Sequence[int], block_size: int) -> Iterator[int]:
+    """The block hashes of the full blocks of ``tokens``, first block first, computed as needed."""
     full = len(tokens) - len(tokens) % block_size
-    return [to_int64(d) for d in block_digests(tokens, 0, full, block_size, None)]
+    return (to_int64(d) for d in iter_digests(tokens, 0, full, block_size, None))
+
+
+def prefix_block_hashes(tokens: Sequence[int], block_size: int) -> list[int]:
+    return list(iter_block_hashes(tokens, block_size))

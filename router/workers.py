@@ -13,9 +13,13 @@ Policies (`pick`), over serving groups only:
   running + waiting count corrected by what this router started or finished since that report
   (never below this router's own count); ties go to the lower KV usage, then round robin.
 - round_robin: the next serving group in turn.
-- prefix: rendezvous (highest-random-weight) hashing of the first `prefix_tokens` prompt ids over
-  the serving groups: the same prefix goes to the same group while it is healthy, and losing a
-  group only moves that group's prefixes.
+- prefix: by the groups' prefix caches, as their KV event streams tell them (router/kv_index.py):
+  the group holding the longest prefix of the prompt (whole blocks), the least loaded of those on a
+  tie; no match, or a match on a group more than `prefix_balance_abs` requests busier than the least
+  loaded, goes least_load. While some serving group's stream is not up (it publishes no events, or
+  is reconnecting) the policy falls back to rendezvous (highest-random-weight) hashing of the first
+  `prefix_tokens` prompt ids: the same prefix goes to the same group while it is healthy, and losing
+  a group only moves that group's prefixes.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from llmserve.logging import get_logger
 from llmserve.message_limits import message_size_options
 from llmserve.security import ChannelSecurity
 from llmserve.v1 import router_pb2 as pb
+from router.kv_index import KvMirror, follow, matched_tokens
 
 log = get_logger(__name__)
 
@@ -69,6 +74,7 @@ class WorkerGroup:
     last_update: float | None = None  # monotonic time of the latest successful probe
     model_info: spb.GetModelInfoResponse | None = None
     probes: int = 0
+    kv: KvMirror | None = None  # its prefix cache, with the prefix policy
 
     def estimated_requests(self) -> int:
         if self.load is None:
@@ -107,6 +113,7 @@ class PoolOptions:
     health_every: int = 5
     probe_timeout: float = 5.0
     prefix_tokens: int = 32
+    prefix_balance_abs: int = 16
 
 
 def _split_load(resp: spb.GetLoadsResponse) -> spb.SchedulerLoad:
@@ -142,17 +149,26 @@ class WorkerPool:
         self._task: asyncio.Task | None = None
         self._round = 0
         self._background: set[asyncio.Task] = set()
+        self._kv_tasks: list[asyncio.Task] = []
+        if self.options.policy == "prefix":
+            for g in self.groups:
+                g.kv = KvMirror()
 
     # ---- lifecycle -------------------------------------------------------------------------------
 
     def start(self) -> None:
         self._task = asyncio.ensure_future(self._probe_loop())
+        for g in self.groups:
+            if g.kv is not None:
+                self._kv_tasks.append(asyncio.ensure_future(
+                    follow(g.stub, g.kv, f"{g.index}@{g.address}", lambda g=g: g.health != NOT_SERVING)))
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        for task in [self._task, *self._kv_tasks]:
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         if self._background:  # Aborts in flight (e.g. of streams ended by shutdown) get delivered
             await asyncio.wait(list(self._background), timeout=self.options.probe_timeout)
         for g in self.groups:
@@ -246,14 +262,32 @@ class WorkerPool:
         if policy == "round_robin" or len(candidates) == 1:
             return candidates[next(self._rr) % len(candidates)]
         if policy == "prefix":
+            if all(g.kv is not None and g.kv.live for g in candidates):
+                return self._by_cache(prompt_ids, candidates)
             key = b",".join(str(t).encode() for t in prompt_ids[: self.options.prefix_tokens])
             return max(
                 candidates, key=lambda g: hashlib.blake2b(key + b"@" + g.address.encode(), digest_size=8).digest()
             )
-        # least_load: rotate the start so ties spread round robin.
+        return self._least_loaded(candidates)
+
+    def _least_loaded(self, candidates: Sequence[WorkerGroup]) -> WorkerGroup:
+        # Rotate the start so ties spread round robin.
         start = next(self._rr) % len(candidates)
-        rotated = candidates[start:] + candidates[:start]
+        rotated = [*candidates[start:], *candidates[:start]]
         return min(rotated, key=lambda g: (g.estimated_requests(), round(g.token_usage(), 2)))
+
+    def _by_cache(self, prompt_ids: Sequence[int], candidates: list[WorkerGroup]) -> WorkerGroup:
+        """The group whose cache holds the longest prefix of the prompt (see the module doc)."""
+        mirrors = [g.kv for g in candidates if g.kv is not None]
+        matched = matched_tokens(prompt_ids, mirrors)
+        least = self._least_loaded(candidates)
+        best = max(matched)
+        if best == 0:
+            return least
+        chosen = self._least_loaded([g for g, n in zip(candidates, matched, strict=True) if n == best])
+        if chosen.estimated_requests() - least.estimated_requests() > self.options.prefix_balance_abs:
+            return least
+        return chosen
 
     # ---- aborts ----------------------------------------------------------------------------------
 

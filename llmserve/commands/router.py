@@ -124,7 +124,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         type=int,
         default=32,
         metavar="N",
-        help="prompt tokens hashed by the prefix policy (default 32)",
+        help="the prefix policy routes by the workers' KV events (their prefix caches); while some "
+        "group publishes none it hashes the first N prompt tokens instead (default 32)",
     )
     p.add_argument(
         "--served-model-name", default=None, help="model name clients may send (default: what the workers report)"
