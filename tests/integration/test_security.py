@@ -320,7 +320,10 @@ def test_worker_refuses_generate_and_abort_without_the_internal_token(cluster, p
                          lambda: stub.FlushCache(common_pb2.FlushCacheRequest(), timeout=TIMEOUT, metadata=metadata),
                          lambda: stub.HealthCheck(spb.HealthCheckRequest(), timeout=TIMEOUT, metadata=metadata),
                          lambda: list(stub.GetTokenizer(common_pb2.GetTokenizerRequest(), timeout=TIMEOUT,
-                                                        metadata=metadata))):
+                                                        metadata=metadata)),
+                         # KV events name the token ids of cached prompts.
+                         lambda: list(stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(), timeout=TIMEOUT,
+                                                             metadata=metadata))):
                 assert _code(call) == grpc.StatusCode.UNAUTHENTICATED
         # The probes a gateway makes stay open.
         assert stub.GetModelInfo(spb.GetModelInfoRequest(), timeout=TIMEOUT).served_model_name == "tiny-test"
