@@ -248,3 +248,51 @@ def test_a_subscriber_that_falls_behind_is_dropped_with_data_loss(worker_model):
         asyncio.run(scenario())
     finally:
         engine_loop.stop()
+
+
+def test_a_snapshot_is_cut_when_the_subscriber_joins_and_chunked(worker_model):
+    """Batches published between the subscription and its first read follow the snapshot, not
+    into it; a step storing more than ``max_blocks_per_batch`` blocks is split, and so is the
+    snapshot, into chunks numbered up to the cut."""
+    engine_loop = EngineLoop(Engine(worker_engine_config(worker_model)))
+    engine_loop.start()
+
+    async def scenario() -> None:
+        publisher = KvEventPublisher(engine_loop, KvEventsOptions(block_size=B, max_blocks_per_batch=2))
+        aio = asyncio.get_running_loop()
+
+        async def generate(ids: list[int], rid: str, until_seq: int) -> None:
+            done = asyncio.Event()
+            engine_loop.submit(ids, SamplingParams(max_new_tokens=1, temperature=0.0), rid,
+                               lambda out: out.finished and aio.call_soon_threadsafe(done.set))
+            await done.wait()
+            deadline = time.monotonic() + 10
+            while publisher.seq < until_seq:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.01)
+
+        watcher = publisher.subscribe(0, False)  # recording on: its first batch is a clear
+        a, b = _prompt(12, seed=20), _prompt(8, seed=21)
+        await generate(a, "a", publisher.base + 3)  # a's three blocks: two batches of at most two
+        joined = publisher.subscribe(0, False)
+        cut = publisher.seq
+        await generate(b, "b", cut + 1)
+        got = []
+        async for batch in publisher.stream(joined):
+            got.append(batch)
+            if batch.sequence_number == cut + 1:
+                break
+        assert [g.sequence_number for g in got] == [cut - 1, cut, cut + 1]
+        assert [(g.snapshot.index, g.snapshot.count, g.snapshot.blocks) for g in got[:2]] == [(0, 2, 3), (1, 2, 3)]
+        assert got[0].events[0].HasField("cleared") and not got[2].HasField("snapshot")
+        hashes = prefix_block_hashes(a, B)
+        assert [_blocks(g) for g in got[:2]] == [[(hashes[0], a[0:4]), (hashes[1], a[4:8])], [(hashes[2], a[8:12])]]
+        assert got[1].events[0].stored.parent_block_hash == hashes[1]
+        assert [h for h, _ in _blocks(got[2])] == prefix_block_hashes(b, B)
+        publisher.unsubscribe(joined)
+        publisher.unsubscribe(watcher)
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        engine_loop.stop()

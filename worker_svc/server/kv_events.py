@@ -255,9 +255,14 @@ class KvEventPublisher:
         """The live blocks as of now, in chunks numbered up to the newest sequence. The record is
         copied now (the cut); the protos are built as the stream sends them."""
         items = list(self._live.items())
-        limit, size, cut = self.options.max_blocks_per_batch, self.options.block_size, self.seq
+        limit, cut = self.options.max_blocks_per_batch, self.seq
         count = max(1, -(-len(items) // limit))
         assert count <= cut - self.base  # each batch stores at most `limit` blocks
+        return self._chunks(items, count, cut)
+
+    def _chunks(self, items: list[tuple[int, tuple[int | None, list[int]]]], count: int,
+                cut: int) -> Iterator[cpb.KvEventBatch]:
+        limit, size = self.options.max_blocks_per_batch, self.options.block_size
         for index in range(count):
             chunk = items[index * limit : (index + 1) * limit]
             events = [cpb.KvCacheEvent(cleared=cpb.KvCacheCleared())] if index == 0 else []
