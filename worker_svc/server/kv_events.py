@@ -229,7 +229,7 @@ class KvEventPublisher:
             self._linger.cancel()
             self._linger = None
         log.info("KV event subscriber joined", start_sequence_number=start, subscribers=len(self._subscribers),
-                 at=self.seq)
+                 at=self.seq, load_records_before_first_batch=load_before_first)
         return sub
 
     def unsubscribe(self, sub: _Subscriber) -> None:
