@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import itertools
 import time
@@ -102,6 +103,10 @@ class WorkerGroup:
         return g
 
 
+def _not_down(g: WorkerGroup) -> bool:
+    return g.health != NOT_SERVING
+
+
 class NoHealthyGroup(Exception):
     pass
 
@@ -161,7 +166,7 @@ class WorkerPool:
         for g in self.groups:
             if g.kv is not None:
                 self._kv_tasks.append(asyncio.ensure_future(
-                    follow(g.stub, g.kv, f"{g.index}@{g.address}", lambda g=g: g.health != NOT_SERVING)))
+                    follow(g.stub, g.kv, f"{g.index}@{g.address}", functools.partial(_not_down, g))))
 
     async def close(self) -> None:
         for task in [self._task, *self._kv_tasks]:
