@@ -70,7 +70,7 @@ def test_prefix_policy_follows_the_workers_caches(cluster) -> None:
             (c,) = collect(list(client.generate(ids, request_id=rid, max_new_tokens=4, temperature=0,
                                                 ignore_eos=True)))
             assert c.finish is not None and c.finish.completion_tokens == 4
-            time.sleep(0.2)  # its KV events reach the router before the next request
+            time.sleep(0.3)  # its KV events reach the router before the next request
             return _routed_to(router, rid), c.finish.cached_tokens
 
         # Cached on worker k by a Generate straight to it: only the worker's events tell the router.

@@ -319,6 +319,18 @@ def _metric(text: str, name: str, **labels: str) -> float:
     return 0.0
 
 
+def _stored_blocks(gw: Gateway, worker) -> float:
+    return _metric(gw.metrics(), "smg_kv_event_blocks_total", op="stored", worker=f"grpc://{worker.address}")
+
+
+def _wait_stored(gw: Gateway, worker, at_least: float, since: float = 0.0, timeout: float = 20.0) -> None:
+    """Until smg has applied ``at_least`` stored blocks from ``worker`` (beyond ``since``)."""
+    deadline = time.monotonic() + timeout
+    while _stored_blocks(gw, worker) - since < at_least:
+        assert time.monotonic() < deadline, f"smg did not get the KV events of {worker.address}"
+        time.sleep(0.05)
+
+
 def _warm(address: str, ids: list[int]) -> None:
     """Cache ``ids`` on one worker by a Generate straight to it: smg never sees this request."""
     request = pb.GenerateRequest(tokenized=pb.TokenizedInput(input_ids=ids),
@@ -342,8 +354,9 @@ def test_cache_aware_routes_by_the_workers_kv_events(two_workers, model_dir, eng
         ids = [tokenizer.encode(t, add_special_tokens=False).ids for t in texts]
         # Each worker caches two of the prompts behind smg's back; smg must find them by their events.
         for k, prompt_ids in enumerate(ids):
+            before = _stored_blocks(gw, two_workers[k % 2])
             _warm(two_workers[k % 2].address, prompt_ids)
-        time.sleep(0.5)  # the events reach smg
+            _wait_stored(gw, two_workers[k % 2], before + len(prompt_ids) // 16)  # the events reached smg
         for k, (text, prompt_ids) in enumerate(zip(texts, ids, strict=True)):
             body = {"model": MODEL_NAME, "prompt": text, "max_tokens": 4, "temperature": 0}
             response = gw.post("/v1/completions", body)
@@ -356,6 +369,7 @@ def test_cache_aware_routes_by_the_workers_kv_events(two_workers, model_dir, eng
         prompt_ids = tokenizer.encode(text, add_special_tokens=False).ids
         served, cached = [], []
         body = {"model": MODEL_NAME, "prompt": text, "max_tokens": 4, "temperature": 0}
+        counts_before = [_stored_blocks(gw, w) for w in two_workers]
         for _ in range(3):
             response = gw.post("/v1/completions", body)
             # (smg holds back a trailing incomplete UTF-8 sequence that the tokenizer decodes to U+FFFD)
@@ -363,7 +377,8 @@ def test_cache_aware_routes_by_the_workers_kv_events(two_workers, model_dir, eng
             assert response["choices"][0]["text"].rstrip("\ufffd") == expected
             served += _served_by(two_workers, response["id"])
             cached.append(response["usage"]["prompt_tokens_details"]["cached_tokens"])
-            time.sleep(0.3)  # its KV events reach smg before the repeat
+            if len(cached) == 1:  # its KV events reach smg before the repeat
+                _wait_stored(gw, two_workers[served[0]], 1, since=counts_before[served[0]])
         assert len(set(served)) == 1 and len(served) == 3, served
         assert cached[0] == 0 and all(c >= len(prompt_ids) - 16 for c in cached[1:]), cached
         # smg's own account: every cache hit came from the event index, fed by both workers' streams.
