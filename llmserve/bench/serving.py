@@ -1,13 +1,10 @@
-"""The serving benchmark behind `llmserve bench-serving` (sglang's bench_serving over gRPC).
+"""The serving benchmark behind `llmserve bench-serving` (sglang's bench_serving over gRPC): its
+configuration, each run's workload and the run itself.
 
 One grpc.aio channel, one asyncio task per request; requests leave on a Poisson schedule (or all at
 once) and, with a concurrency cap, wait for a free slot first (the latency clock starts when the
-request is sent, as sglang's). Per streamed message the client only appends a timestamp and the
-number of new tokens, so it stays cheap at many concurrent streams; everything else is computed
-once the run is over.
-
-Targets: the public llmserve.v1.Router (Generate, a text or token-id prompt) or one worker's
-SglangScheduler (Generate with token ids, stream=True), the path the router itself takes.
+request is sent, as sglang's). Targets (router or worker) are serving_targets.py, what is measured
+serving_stats.py, the printout and the JSONL serving_report.py.
 """
 
 from __future__ import annotations
@@ -18,24 +15,22 @@ import functools
 import math
 import random
 import time
-from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from llmserve.bench import datasets as ds
+from llmserve.bench.serving_report import report
+from llmserve.bench.serving_stats import RequestRecord, RunResult, summarize
+from llmserve.bench.serving_targets import RequestSettings, RouterTarget, ServerFacts, Target, WorkerTarget
 
-if TYPE_CHECKING:  # grpc and the protos load when a run starts, not when the CLI parses flags
-    import grpc
-
+if TYPE_CHECKING:  # grpc loads when a run starts, not when the CLI parses flags
     from llmserve.security import ChannelSecurity
 
 BACKENDS = ("router", "worker")
 DATASETS = ("random", "shared-prefix", "multi-turn")
 PROMPT_FORMATS = ("ids", "text")
-OK = "OK"
-NOT_SENT = "NOT_SENT"  # a multi-turn turn after a failed one
 # Large enough for long token-id prompts and complete messages with every output id.
 _CHANNEL_OPTIONS = (("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20))
 
@@ -104,7 +99,6 @@ class BenchConfig:
     output_file: Path | None = None
     output_details: bool = False
     wait_for_server: float = 0.0  # retry GetModelInfo this long while the server is unavailable
-    rpc_timeout: float = 30.0  # GetModelInfo, FlushCache
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -128,237 +122,16 @@ class BenchConfig:
         if self.temperature < 0:
             raise ValueError(f"--temperature: must be >= 0, got {self.temperature}")
 
-
-# ---- per-request records -------------------------------------------------------------------------
-
-
-@dataclass(slots=True)
-class RequestRecord:
-    """What one request did. `stamps[j]` is when the j-th message with tokens arrived, carrying
-    `counts[j]` of them (perf_counter seconds, like `sent` and `done`)."""
-
-    index: int
-    expected_output_len: int
-    input_len: int  # the prompt's ids as the client knows them; the server's count wins when reported
-    conversation: int = -1
-    turn: int = -1
-    group: int = -1
-    sent: float = 0.0
-    done: float = 0.0
-    stamps: list[float] = field(default_factory=list)
-    counts: list[int] = field(default_factory=list)
-    status: str = NOT_SENT
-    error: str = ""
-    finish_reason: str = ""
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    output_ids: list[int] = field(default_factory=list)  # multi-turn only: the answer, for the next turn
-    output_text: list[str] = field(default_factory=list)  # multi-turn with text prompts only
-
     @property
-    def ok(self) -> bool:
-        return self.status == OK
+    def request_settings(self) -> RequestSettings:
+        return RequestSettings(temperature=self.temperature, ignore_eos=self.ignore_eos,
+                               served_model=self.served_model, request_timeout=self.request_timeout)
 
-    @property
-    def output_tokens(self) -> int:
-        return self.completion_tokens or sum(self.counts)
-
-    @property
-    def prompt_len(self) -> int:
-        return self.prompt_tokens or self.input_len
-
-    @property
-    def ttft(self) -> float | None:
-        return self.stamps[0] - self.sent if self.stamps else None
-
-    @property
-    def e2e(self) -> float:
-        return self.done - self.sent
-
-    @property
-    def tpot(self) -> float | None:
-        ttft, out = self.ttft, self.output_tokens
-        return (self.e2e - ttft) / (out - 1) if ttft is not None and out > 1 else None
-
-    def itls(self) -> list[float]:
-        """Gaps between messages; a message with k tokens counts as k gaps of a k-th of its wait."""
-        out: list[float] = []
-        for j in range(1, len(self.stamps)):
-            gap, k = self.stamps[j] - self.stamps[j - 1], self.counts[j]
-            out.extend([gap / k] * k)
-        return out
-
-    def detail(self) -> dict[str, Any]:
-        ttft, tpot = self.ttft, self.tpot
-        return {
-            "index": self.index, "conversation": self.conversation, "turn": self.turn, "group": self.group,
-            "status": self.status, "error": self.error, "finish_reason": self.finish_reason,
-            "prompt_tokens": self.prompt_len, "output_tokens": self.output_tokens,
-            "expected_output_len": self.expected_output_len, "cached_tokens": self.cached_tokens,
-            "ttft_ms": None if ttft is None else 1e3 * ttft, "tpot_ms": None if tpot is None else 1e3 * tpot,
-            "e2e_ms": 1e3 * self.e2e if self.status != NOT_SENT else None,
-            "itl_ms": [1e3 * x for x in self.itls()],
-        }
-
-
-# ---- targets -------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ServerFacts:
-    vocab_size: int
-    special_ids: frozenset[int]
-    model: str
-
-
-class Target(Protocol):
-    async def facts(self) -> ServerFacts: ...
-
-    async def generate(self, prompt: ds.Prompt, output_len: int, rec: RequestRecord, keep_output: bool) -> None:
-        """Send one request and fill `rec` (status included); never raises for an RPC failure."""
-        ...
-
-    async def flush_cache(self) -> bool: ...
-
-
-def _fail(rec: RequestRecord, exc: BaseException) -> None:
-    import grpc
-
-    if isinstance(exc, grpc.aio.AioRpcError):
-        rec.status, rec.error = exc.code().name, exc.details() or ""
-    else:
-        rec.status, rec.error = "CLIENT_ERROR", repr(exc)
-
-
-class RouterTarget:
-    """llmserve.v1.Router.Generate: token ids, or text when the prompt has it (prompt_format text)."""
-
-    def __init__(self, channel: grpc.aio.Channel, metadata: Sequence[tuple[str, str]], config: BenchConfig):
-        from llmserve.v1 import router_pb2, router_pb2_grpc
-
-        self.pb = router_pb2
-        self.stub = router_pb2_grpc.RouterStub(channel)
-        self.metadata = tuple(metadata)
-        self.config = config
-
-    async def facts(self) -> ServerFacts:
-        info = await self.stub.GetModelInfo(self.pb.GetModelInfoRequest(model=self.config.served_model),
-                                            metadata=self.metadata, timeout=self.config.rpc_timeout)
-        special = set(info.eos_token_ids)
-        if info.HasField("bos_token_id"):
-            special.add(info.bos_token_id)
-        return ServerFacts(info.vocab_size, frozenset(special), info.model)
-
-    async def flush_cache(self) -> bool:
-        return False
-
-    async def generate(self, prompt: ds.Prompt, output_len: int, rec: RequestRecord, keep_output: bool) -> None:
-        cfg = self.config
-        req = self.pb.GenerateRequest(model=cfg.served_model, sampling_params=self.pb.SamplingParams(
-            max_new_tokens=output_len, temperature=cfg.temperature, ignore_eos=cfg.ignore_eos))
-        keep_text = keep_output and prompt.text is not None
-        if prompt.text is not None:
-            req.text = prompt.text
-        else:
-            req.token_ids.ids.extend(prompt.ids)
-        now = time.perf_counter
-        stamp, count = rec.stamps.append, rec.counts.append
-        last = None
-        try:
-            rec.sent = now()
-            call = self.stub.Generate(req, metadata=self.metadata, timeout=cfg.request_timeout)
-            async for resp in call:
-                n = len(resp.token_ids)
-                if n:
-                    stamp(now())
-                    count(n)
-                    if keep_output:
-                        rec.output_ids.extend(resp.token_ids)
-                if keep_text:
-                    rec.output_text.append(resp.text)
-                last = resp
-            rec.done = now()
-        except Exception as exc:  # noqa: BLE001 - any failure is this request's outcome
-            rec.done = now()
-            _fail(rec, exc)
-            return
-        if last is None or not last.HasField("finish"):
-            rec.status, rec.error = "INCOMPLETE", "the stream ended without a finish message"
-            return
-        finish = last.finish
-        rec.finish_reason = finish.reason
-        rec.prompt_tokens = finish.usage.prompt_tokens
-        rec.completion_tokens = finish.usage.completion_tokens
-        rec.cached_tokens = finish.usage.cached_tokens
-        if finish.reason == "abort":
-            rec.status, rec.error = "ABORTED", finish.message
-        else:
-            rec.status = OK
-
-
-class WorkerTarget:
-    """A worker's SglangScheduler.Generate (stream=True): token ids in, chunks of ids out."""
-
-    def __init__(self, channel: grpc.aio.Channel, metadata: Sequence[tuple[str, str]], config: BenchConfig):
-        from smg_grpc_proto import sglang_scheduler_pb2, sglang_scheduler_pb2_grpc
-        from smg_grpc_proto.generated import common_pb2
-
-        self.pb = sglang_scheduler_pb2
-        self.common = common_pb2
-        self.stub = sglang_scheduler_pb2_grpc.SglangSchedulerStub(channel)
-        self.metadata = tuple(metadata)
-        self.config = config
-        self._ids = 0
-
-    async def facts(self) -> ServerFacts:
-        info = await self.stub.GetModelInfo(self.pb.GetModelInfoRequest(), metadata=self.metadata,
-                                            timeout=self.config.rpc_timeout)
-        special = set(info.eos_token_ids)
-        if info.bos_token_id:
-            special.add(info.bos_token_id)
-        return ServerFacts(info.vocab_size, frozenset(special), info.served_model_name)
-
-    async def flush_cache(self) -> bool:
-        resp = await self.stub.FlushCache(self.common.FlushCacheRequest(), metadata=self.metadata,
-                                          timeout=self.config.rpc_timeout)
-        return bool(resp.success)
-
-    async def generate(self, prompt: ds.Prompt, output_len: int, rec: RequestRecord, keep_output: bool) -> None:
-        cfg = self.config
-        self._ids += 1
-        req = self.pb.GenerateRequest(
-            request_id=f"bench-{self._ids}", tokenized=self.pb.TokenizedInput(input_ids=prompt.ids),
-            sampling_params=self.pb.SamplingParams(max_new_tokens=output_len, temperature=cfg.temperature,
-                                                   ignore_eos=cfg.ignore_eos),
-            stream=True)
-        now = time.perf_counter
-        stamp, count = rec.stamps.append, rec.counts.append
-        last = None
-        try:
-            rec.sent = now()
-            call = self.stub.Generate(req, metadata=self.metadata, timeout=cfg.request_timeout)
-            async for resp in call:
-                n = len(resp.chunk.token_ids)  # 0 on the Complete message
-                if n:
-                    stamp(now())
-                    count(n)
-                last = resp
-            rec.done = now()
-        except Exception as exc:  # noqa: BLE001 - any failure is this request's outcome
-            rec.done = now()
-            _fail(rec, exc)
-            return
-        if last is None or not last.HasField("complete"):
-            rec.status, rec.error = "INCOMPLETE", "the stream ended without a complete message"
-            return
-        c = last.complete
-        rec.finish_reason = c.finish_reason
-        rec.prompt_tokens, rec.completion_tokens = c.prompt_tokens, c.completion_tokens
-        rec.cached_tokens = c.cached_tokens
-        if keep_output:
-            rec.output_ids.extend(c.output_ids)
-        rec.status = "ABORTED" if c.finish_reason == "abort" else OK
+    def describe(self, model: str) -> dict[str, Any]:
+        """The settings a results line records (`model`: the name the server reported)."""
+        return {"backend": self.backend, "address": self.address, "model": model,
+                "dataset": self.dataset.describe(), "prompt_format": self.prompt_format,
+                "ignore_eos": self.ignore_eos, "temperature": self.temperature}
 
 
 # ---- one run -------------------------------------------------------------------------------------
@@ -374,12 +147,9 @@ class Workload:
 
 def build_workload(cfg: DatasetConfig, space: ds.TokenSpace, seed: int,
                    codec: ds.TextCodec | None = None) -> Workload:
-    """The dataset of one run; with `codec` (the tokenizer) as text prompts, drawn from the ids
-    whose text is whole characters."""
-    maker = None
-    if codec is not None:
-        space = ds.text_space(space, codec)
-        maker = ds.TextMaker(codec, space, random.Random(seed ^ 0x7E47))
+    """The dataset of one run; with `codec` (the tokenizer) as text prompts, in which case `space`
+    should be ds.text_space's (ids whose text is whole characters)."""
+    maker = ds.TextMaker(codec, space, random.Random(seed ^ 0x7E47)) if codec is not None else None
     if cfg.name == "multi-turn":
         convs = ds.conversations(cfg.num_conversations, cfg.turns, cfg.turn_len, cfg.output_len, space, seed)
         if maker is not None:  # each user message as text; a turn's ids come from its whole text
@@ -397,20 +167,10 @@ def build_workload(cfg: DatasetConfig, space: ds.TokenSpace, seed: int,
     return Workload(requests=tuple(reqs))
 
 
-@dataclass
-class RunResult:
-    request_rate: float
-    max_concurrency: int | None
-    seed: int
-    records: list[RequestRecord]
-    duration: float
-    client_cpu_s: float
-
-
 async def _execute(target: Target, workload: Workload, rate: float, concurrency: int | None, seed: int,
                    codec: ds.TextCodec | None) -> RunResult:
     slots = asyncio.Semaphore(concurrency) if concurrency else None
-    records: list[RequestRecord] = []
+    records: list[RequestRecord]
 
     async def send(prompt: ds.Prompt, output_len: int, rec: RequestRecord, keep: bool) -> None:
         if slots is None:
@@ -473,150 +233,6 @@ def _next_turn(prev: ds.Prompt | None, answer: RequestRecord | None, user: ds.Pr
     return ds.Prompt(tuple(codec.encode(text, add_special_tokens=True)), text)
 
 
-# ---- statistics ----------------------------------------------------------------------------------
-
-
-def percentile(values: Sequence[float], p: float) -> float:
-    """Linear interpolation between closest ranks (numpy's default); nan for no values."""
-    if not values:
-        return math.nan
-    s = sorted(values)
-    rank = (len(s) - 1) * p / 100.0
-    lo = math.floor(rank)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (rank - lo)
-
-
-def distribution(values: Sequence[float], scale: float = 1e3) -> dict[str, float]:
-    """mean, median, p90, p99, std (population) and max of `values` times `scale` (ms by default)."""
-    if not values:
-        return {k: math.nan for k in ("mean", "median", "p90", "p99", "std", "max")}
-    v = [x * scale for x in values]
-    mean = sum(v) / len(v)
-    return {"mean": mean, "median": percentile(v, 50), "p90": percentile(v, 90), "p99": percentile(v, 99),
-            "std": math.sqrt(sum((x - mean) ** 2 for x in v) / len(v)), "max": max(v)}
-
-
-def summarize(result: RunResult) -> dict[str, Any]:
-    """The aggregate metrics of a run, with sglang's names where it has one."""
-    ok = [r for r in result.records if r.ok]
-    duration = result.duration
-    total_in = sum(r.prompt_len for r in ok)
-    total_out = sum(r.output_tokens for r in ok)
-    cached = sum(r.cached_tokens for r in ok)
-    failures: dict[str, int] = {}
-    for r in result.records:
-        if not r.ok:
-            failures[r.status] = failures.get(r.status, 0) + 1
-    ttfts = [t for r in ok if (t := r.ttft) is not None]
-    tpots = [t for r in ok if (t := r.tpot) is not None]
-    itls = [x for r in ok for x in r.itls()]
-    e2es = [r.e2e for r in ok]
-    out: dict[str, Any] = {
-        "completed": len(ok),
-        "failed": len(result.records) - len(ok),
-        "failures": failures,
-        "duration": duration,
-        "total_input_tokens": total_in,
-        "total_output_tokens": total_out,
-        "total_cached_tokens": cached,
-        "cache_hit_rate": cached / total_in if total_in else 0.0,
-        "mean_request_cache_hit_ratio": (sum(r.cached_tokens / r.prompt_len for r in ok if r.prompt_len) / len(ok)
-                                         if ok else 0.0),
-        "output_len_mismatches": sum(1 for r in ok if r.output_tokens != r.expected_output_len),
-        "request_throughput": len(ok) / duration if duration > 0 else 0.0,
-        "input_throughput": total_in / duration if duration > 0 else 0.0,
-        "output_throughput": total_out / duration if duration > 0 else 0.0,
-        "total_throughput": (total_in + total_out) / duration if duration > 0 else 0.0,
-        # Requests in flight on average (sglang's "Concurrency").
-        "concurrency": sum(e2es) / duration if duration > 0 else 0.0,
-        "client_cpu_utilization": result.client_cpu_s / duration if duration > 0 else 0.0,
-    }
-    for name, values in (("ttft", ttfts), ("tpot", tpots), ("itl", itls), ("e2e_latency", e2es)):
-        for stat, value in distribution(values).items():
-            out[f"{stat}_{name}_ms"] = value
-    return out
-
-
-# ---- output --------------------------------------------------------------------------------------
-
-
-def _fmt(value: Any) -> str:
-    if isinstance(value, float):
-        return "nan" if math.isnan(value) else f"{value:.2f}"
-    return str(value)
-
-
-def report(config: BenchConfig, result: RunResult, metrics: dict[str, Any]) -> str:
-    """sglang's result block: 40-column labels, then the value."""
-    lines = ["{s:{c}^{n}}".format(s=" Serving Benchmark Result ", n=50, c="=")]
-
-    def row(label: str, value: Any) -> None:
-        lines.append(f"{label:<40} {_fmt(value):<10}")
-
-    def section(title: str) -> None:
-        lines.append("{s:{c}^{n}}".format(s=title, n=50, c="-"))
-
-    row("Backend:", config.backend)
-    row("Dataset:", config.dataset.name)
-    row("Traffic request rate:", "inf" if math.isinf(result.request_rate) else result.request_rate)
-    row("Max request concurrency:", result.max_concurrency if result.max_concurrency else "not set")
-    row("Successful requests:", metrics["completed"])
-    row("Failed requests:", metrics["failed"])
-    for status, n in sorted(metrics["failures"].items()):
-        row(f"  {status}:", n)
-    row("Benchmark duration (s):", metrics["duration"])
-    row("Total input tokens:", metrics["total_input_tokens"])
-    row("Total generated tokens:", metrics["total_output_tokens"])
-    row("Total cached tokens:", metrics["total_cached_tokens"])
-    row("Prefix cache hit rate (%):", 100 * metrics["cache_hit_rate"])
-    row("Request throughput (req/s):", metrics["request_throughput"])
-    row("Input token throughput (tok/s):", metrics["input_throughput"])
-    row("Output token throughput (tok/s):", metrics["output_throughput"])
-    row("Total token throughput (tok/s):", metrics["total_throughput"])
-    row("Concurrency:", metrics["concurrency"])
-    row("Client CPU (% of one core):", 100 * metrics["client_cpu_utilization"])
-    if metrics["output_len_mismatches"]:
-        row("Outputs not of the requested length:", metrics["output_len_mismatches"])
-    for title, key, label in (("End-to-End Latency", "e2e_latency", "E2E Latency"),
-                              ("Time to First Token", "ttft", "TTFT"),
-                              ("Time per Output Token (excl. 1st token)", "tpot", "TPOT"),
-                              ("Inter-Token Latency", "itl", "ITL")):
-        section(title)
-        for stat, name in (("mean", "Mean"), ("median", "Median"), ("p90", "P90"), ("p99", "P99")):
-            row(f"{name} {label} (ms):", metrics[f"{stat}_{key}_ms"])
-        if key == "itl":
-            row(f"Max {label} (ms):", metrics["max_itl_ms"])
-    lines.append("=" * 50)
-    return "\n".join(lines)
-
-
-def _json_float(value: Any) -> Any:
-    """JSON has no inf or nan: inf as the string "inf", nan as null."""
-    if isinstance(value, float):
-        if math.isnan(value):
-            return None
-        if math.isinf(value):
-            return "inf"
-    return value
-
-
-def result_line(config: BenchConfig, result: RunResult, metrics: dict[str, Any], model: str) -> dict[str, Any]:
-    """One JSONL record: the run's configuration and every aggregate metric (per request with
-    --output-details)."""
-    line: dict[str, Any] = {
-        "date": datetime.now(timezone.utc).isoformat(),
-        "backend": config.backend, "address": config.address, "model": model,
-        "dataset": config.dataset.describe(), "prompt_format": config.prompt_format,
-        "request_rate": result.request_rate, "max_concurrency": result.max_concurrency, "seed": result.seed,
-        "num_requests": len(result.records), "ignore_eos": config.ignore_eos, "temperature": config.temperature,
-        **metrics,
-    }
-    if config.output_details:
-        line["requests"] = [r.detail() for r in result.records]
-    return {k: _json_float(v) for k, v in line.items()}
-
-
 # ---- the benchmark -------------------------------------------------------------------------------
 
 
@@ -654,11 +270,13 @@ async def run_benchmark(config: BenchConfig, codec: Any | None = None, emit: Any
     plain = dataclasses.replace(security, token=None)
     channel = plain.aio_channel(config.address, _CHANNEL_OPTIONS)
     target: Target = (RouterTarget if config.backend == "router" else WorkerTarget)(
-        channel, security.metadata(), config)
+        channel, security.metadata(), config.request_settings)
     try:
         facts = await _server_facts(target, config)
         space = token_space(facts, codec)
         text_codec = codec if config.prompt_format == "text" else None
+        if text_codec is not None:
+            space = ds.text_space(space, text_codec)
         await _warm_up(target, config, space, text_codec, emit)
         runs = []
         index = 0
@@ -673,7 +291,7 @@ async def run_benchmark(config: BenchConfig, codec: Any | None = None, emit: Any
                      f"{'inf' if math.isinf(rate) else rate}, max concurrency {concurrency or 'not set'}")
                 result = await _execute(target, workload, rate, concurrency, seed, text_codec)
                 metrics = summarize(result)
-                emit(report(config, result, metrics))
+                emit(report(config.backend, config.dataset.name, result, metrics))
                 runs.append((result, metrics))
         return BenchOutcome(runs, facts.model)
     finally:
@@ -711,13 +329,3 @@ async def _warm_up(target: Target, config: BenchConfig, space: ds.TokenSpace, co
         if not rec.ok:
             raise BenchError(f"warm-up request failed: {rec.status}: {rec.error}")
     emit("Warmup completed.")
-
-
-def write_results(path: Path, lines: Sequence[dict[str, Any]]) -> None:
-    """Append one JSON object per run (JSONL, like sglang's --output-file)."""
-    import json
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a", encoding="utf-8") as f:
-        for line in lines:
-            f.write(json.dumps(line, allow_nan=False) + "\n")

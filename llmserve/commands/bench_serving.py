@@ -81,7 +81,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 
 def run(args: argparse.Namespace) -> int:
-    from llmserve.bench.serving import BenchConfig, BenchError, DatasetConfig, result_line, run_benchmark, write_results
+    from llmserve.bench.serving import BenchConfig, BenchError, DatasetConfig, run_benchmark
+    from llmserve.bench.serving_report import result_line, write_results
     from llmserve.security import SecurityConfigError
     from llmserve.security_args import client_security_from_args
 
@@ -119,7 +120,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"llmserve bench-serving: {exc}", file=sys.stderr)
         return 1
     if config.output_file is not None:
-        write_results(config.output_file, [result_line(config, r, m, outcome.model) for r, m in outcome.runs])
+        settings = config.describe(outcome.model)
+        write_results(config.output_file, [result_line(settings, r, m, config.output_details) for r, m in outcome.runs])
     if not outcome.all_ok:
         print("llmserve bench-serving: some requests failed (see the report)", file=sys.stderr)
     return 0 if outcome.all_ok else 1

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from llmserve.bench import datasets as ds
-from llmserve.bench import serving
+from llmserve.bench import serving, serving_report, serving_stats
+from llmserve.bench.serving_stats import RequestRecord, RunResult
 from llmserve.cli import main as cli_main
 from tokenizer_svc.tokenizer import ModelTokenizer
 
@@ -60,7 +61,7 @@ def test_shared_prefix_prompts_share_their_groups_prefix_and_arrive_shuffled() -
 def test_multi_turn_prompt_extends_the_previous_turn_and_its_answer() -> None:
     (conv,) = ds.conversations(1, 3, turn_len=5, output_len=4, space=SPACE, seed=1)
     assert len(conv.user_turns) == 3 and all(len(u.ids) == 5 for u in conv.user_turns)
-    answer = serving.RequestRecord(index=0, expected_output_len=4, input_len=5, output_ids=[9, 8, 7, 6])
+    answer = RequestRecord(index=0, expected_output_len=4, input_len=5, output_ids=[9, 8, 7, 6])
     first = serving._next_turn(None, None, conv.user_turns[0], None)
     assert first.ids == conv.user_turns[0].ids
     second = serving._next_turn(first, answer, conv.user_turns[1], None)
@@ -108,22 +109,22 @@ def test_text_prompts_keep_the_shared_prefix_and_their_length(tiny_model) -> Non
 
 
 def test_percentile_matches_numpys_linear_interpolation() -> None:
-    assert serving.percentile([1, 2, 3, 4], 50) == 2.5
-    assert serving.percentile([1, 2, 3, 4], 90) == pytest.approx(3.7)
-    assert serving.percentile([4, 1, 3, 2], 99) == pytest.approx(3.97)
-    assert serving.percentile([5.0], 99) == 5.0
-    assert math.isnan(serving.percentile([], 50))
+    assert serving_stats.percentile([1, 2, 3, 4], 50) == 2.5
+    assert serving_stats.percentile([1, 2, 3, 4], 90) == pytest.approx(3.7)
+    assert serving_stats.percentile([4, 1, 3, 2], 99) == pytest.approx(3.97)
+    assert serving_stats.percentile([5.0], 99) == 5.0
+    assert math.isnan(serving_stats.percentile([], 50))
     values = [random.Random(2).random() for _ in range(101)]
     for p in (0, 10, 50, 90, 99, 100):
-        assert serving.percentile(values, p) == pytest.approx(np.percentile(values, p))
-    d = serving.distribution([0.001, 0.002, 0.003, 0.010])
+        assert serving_stats.percentile(values, p) == pytest.approx(np.percentile(values, p))
+    d = serving_stats.distribution([0.001, 0.002, 0.003, 0.010])
     assert d["mean"] == pytest.approx(4.0) and d["median"] == pytest.approx(2.5) and d["max"] == pytest.approx(10.0)
     assert d["std"] == pytest.approx(statistics.pstdev([1, 2, 3, 10]))
 
 
-def _record(index: int, stamps: list[float], counts: list[int], done: float, **kw) -> serving.RequestRecord:
-    return serving.RequestRecord(index=index, expected_output_len=sum(counts), input_len=10, sent=0.0,
-                                 stamps=stamps, counts=counts, done=done, status=serving.OK, **kw)
+def _record(index: int, stamps: list[float], counts: list[int], done: float, **kw) -> RequestRecord:
+    return RequestRecord(index=index, expected_output_len=sum(counts), input_len=10, sent=0.0,
+                                 stamps=stamps, counts=counts, done=done, status=serving_stats.OK, **kw)
 
 
 def test_request_timings_ttft_itl_tpot_e2e() -> None:
@@ -138,12 +139,12 @@ def test_request_timings_ttft_itl_tpot_e2e() -> None:
 def test_summary_counts_failures_cache_and_throughput() -> None:
     a = _record(0, [0.1, 0.2], [1, 1], done=0.2, prompt_tokens=100, completion_tokens=2, cached_tokens=60)
     b = _record(1, [0.3, 0.5], [1, 1], done=0.5, prompt_tokens=50, completion_tokens=2, cached_tokens=0)
-    bad = serving.RequestRecord(index=2, expected_output_len=2, input_len=10, status="RESOURCE_EXHAUSTED")
-    skipped = serving.RequestRecord(index=3, expected_output_len=2, input_len=0)
-    result = serving.RunResult(float("inf"), 4, 1, [a, b, bad, skipped], duration=2.0, client_cpu_s=0.5)
-    m = serving.summarize(result)
+    bad = RequestRecord(index=2, expected_output_len=2, input_len=10, status="RESOURCE_EXHAUSTED")
+    skipped = RequestRecord(index=3, expected_output_len=2, input_len=0)
+    result = RunResult(float("inf"), 4, 1, [a, b, bad, skipped], duration=2.0, client_cpu_s=0.5)
+    m = serving_stats.summarize(result)
     assert m["completed"] == 2 and m["failed"] == 2
-    assert m["failures"] == {"RESOURCE_EXHAUSTED": 1, serving.NOT_SENT: 1}
+    assert m["failures"] == {"RESOURCE_EXHAUSTED": 1, serving_stats.NOT_SENT: 1}
     assert m["total_input_tokens"] == 150 and m["total_output_tokens"] == 4 and m["total_cached_tokens"] == 60
     assert m["cache_hit_rate"] == pytest.approx(0.4) and m["mean_request_cache_hit_ratio"] == pytest.approx(0.3)
     assert m["request_throughput"] == 1.0 and m["output_throughput"] == 2.0 and m["input_throughput"] == 75.0
@@ -152,16 +153,16 @@ def test_summary_counts_failures_cache_and_throughput() -> None:
     assert m["concurrency"] == pytest.approx(0.35) and m["client_cpu_utilization"] == 0.25
     assert m["output_len_mismatches"] == 0
 
-    config = serving.BenchConfig(backend="worker", address="127.0.0.1:1", dataset=serving.DatasetConfig(),
-                                 output_details=True)
-    text = serving.report(config, result, m)
+    text = serving_report.report("worker", "random", result, m)
     lines = text.splitlines()
     assert lines[0] == "============ Serving Benchmark Result ============" and lines[-1] == "=" * 50
     assert "Successful requests:                     2" in text and "  RESOURCE_EXHAUSTED:" in text
     assert "Traffic request rate:                    inf" in text
-    line = serving.result_line(config, result, m, "tiny")
+    config = serving.BenchConfig(backend="worker", address="127.0.0.1:1", dataset=serving.DatasetConfig())
+    line = serving_report.result_line(config.describe("tiny"), result, m, details=True)
     again = json.loads(json.dumps(line, allow_nan=False))
     assert again["request_rate"] == "inf" and again["max_concurrency"] == 4 and again["completed"] == 2
+    assert again["backend"] == "worker" and again["model"] == "tiny" and again["dataset"]["name"] == "random"
     assert [r["status"] for r in again["requests"]] == ["OK", "OK", "RESOURCE_EXHAUSTED", "NOT_SENT"]
     assert again["requests"][0]["itl_ms"] == pytest.approx([100.0])
 
