@@ -23,7 +23,7 @@ def report(backend: str, dataset: str, result: RunResult, metrics: dict[str, Any
     lines = ["{s:{c}^{n}}".format(s=" Serving Benchmark Result ", n=50, c="=")]
 
     def row(label: str, value: Any) -> None:
-        lines.append(f"{label:<40} {_fmt(value):<10}")
+        lines.append(f"{label:<40} {_fmt(value)}")
 
     def section(title: str) -> None:
         lines.append("{s:{c}^{n}}".format(s=title, n=50, c="-"))

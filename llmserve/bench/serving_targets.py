@@ -57,17 +57,17 @@ def _fail(rec: RequestRecord, exc: BaseException) -> None:
 class RouterTarget:
     """llmserve.v1.Router.Generate: token ids, or text when the prompt has it (prompt_format text)."""
 
-    def __init__(self, channel: grpc.aio.Channel, metadata: Sequence[tuple[str, str]], config: RequestSettings):
+    def __init__(self, channel: grpc.aio.Channel, metadata: Sequence[tuple[str, str]], settings: RequestSettings):
         from llmserve.v1 import router_pb2, router_pb2_grpc
 
         self.pb = router_pb2
         self.stub = router_pb2_grpc.RouterStub(channel)
         self.metadata = tuple(metadata)
-        self.config = config
+        self.settings = settings
 
     async def facts(self) -> ServerFacts:
-        info = await self.stub.GetModelInfo(self.pb.GetModelInfoRequest(model=self.config.served_model),
-                                            metadata=self.metadata, timeout=self.config.rpc_timeout)
+        info = await self.stub.GetModelInfo(self.pb.GetModelInfoRequest(model=self.settings.served_model),
+                                            metadata=self.metadata, timeout=self.settings.rpc_timeout)
         special = set(info.eos_token_ids)
         if info.HasField("bos_token_id"):
             special.add(info.bos_token_id)
@@ -77,7 +77,7 @@ class RouterTarget:
         return False
 
     async def generate(self, prompt: ds.Prompt, output_len: int, rec: RequestRecord, keep_output: bool) -> None:
-        cfg = self.config
+        cfg = self.settings
         req = self.pb.GenerateRequest(model=cfg.served_model, sampling_params=self.pb.SamplingParams(
             max_new_tokens=output_len, temperature=cfg.temperature, ignore_eos=cfg.ignore_eos))
         keep_text = keep_output and prompt.text is not None
@@ -123,7 +123,7 @@ class RouterTarget:
 class WorkerTarget:
     """A worker's SglangScheduler.Generate (stream=True): token ids in, chunks of ids out."""
 
-    def __init__(self, channel: grpc.aio.Channel, metadata: Sequence[tuple[str, str]], config: RequestSettings):
+    def __init__(self, channel: grpc.aio.Channel, metadata: Sequence[tuple[str, str]], settings: RequestSettings):
         from smg_grpc_proto import sglang_scheduler_pb2, sglang_scheduler_pb2_grpc
         from smg_grpc_proto.generated import common_pb2
 
@@ -131,12 +131,12 @@ class WorkerTarget:
         self.common = common_pb2
         self.stub = sglang_scheduler_pb2_grpc.SglangSchedulerStub(channel)
         self.metadata = tuple(metadata)
-        self.config = config
+        self.settings = settings
         self._ids = 0
 
     async def facts(self) -> ServerFacts:
         info = await self.stub.GetModelInfo(self.pb.GetModelInfoRequest(), metadata=self.metadata,
-                                            timeout=self.config.rpc_timeout)
+                                            timeout=self.settings.rpc_timeout)
         special = set(info.eos_token_ids)
         if info.bos_token_id:
             special.add(info.bos_token_id)
@@ -144,11 +144,11 @@ class WorkerTarget:
 
     async def flush_cache(self) -> bool:
         resp = await self.stub.FlushCache(self.common.FlushCacheRequest(), metadata=self.metadata,
-                                          timeout=self.config.rpc_timeout)
+                                          timeout=self.settings.rpc_timeout)
         return bool(resp.success)
 
     async def generate(self, prompt: ds.Prompt, output_len: int, rec: RequestRecord, keep_output: bool) -> None:
-        cfg = self.config
+        cfg = self.settings
         self._ids += 1
         req = self.pb.GenerateRequest(
             request_id=f"bench-{self._ids}", tokenized=self.pb.TokenizedInput(input_ids=prompt.ids),
