@@ -117,6 +117,8 @@ class BenchConfig:
                 raise ValueError(f"--max-concurrency: must be >= 1, got {c}")
         if self.warmup_requests < 0:
             raise ValueError(f"--warmup-requests: must be >= 0, got {self.warmup_requests}")
+        if self.request_timeout is not None and not self.request_timeout > 0:
+            raise ValueError(f"--request-timeout: must be > 0, got {self.request_timeout}")
         if self.wait_for_server < 0:
             raise ValueError(f"--wait-for-server: must be >= 0, got {self.wait_for_server}")
         if self.temperature < 0:

@@ -176,6 +176,7 @@ def test_summary_counts_failures_cache_and_throughput() -> None:
     (["--dataset", "shared-prefix", "--prefix-len", "0"], "--prefix-len: must be >= 1"),
     (["--random-range-ratio", "2"], "--random-range-ratio"),
     (["--max-concurrency", "0"], "--max-concurrency: must be >= 1"),
+    (["--request-timeout", "0"], "--request-timeout: must be > 0"),
 ])
 def test_bad_flags_exit_2_naming_the_flag(argv: list[str], message: str, capsys) -> None:
     assert cli_main(["bench-serving", "--address", "127.0.0.1:1", *argv]) == 2
