@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import socket
+import time
 import urllib.request
+from collections.abc import Callable
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -46,3 +49,44 @@ def scrape(host: str, port: int, timeout: float = 10.0) -> Samples:
     with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=timeout) as response:
         assert response.status == 200
         return Samples(response.read().decode())
+
+
+def scrape_until(host: str, port: int, done: Callable[[Samples], bool], timeout: float = 15.0) -> Samples:
+    """Scrape until ``done(samples)`` holds (a call's last bookkeeping may land just after its client
+    got the last message) and return that scrape; the last one if it never does, so the caller's
+    asserts say what is off."""
+    deadline = time.monotonic() + timeout
+    while True:
+        samples = scrape(host, port)
+        try:
+            if done(samples):
+                return samples
+        except KeyError:  # a series that is not there yet
+            pass
+        if time.monotonic() > deadline:
+            return samples
+        time.sleep(0.1)
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """``count`` consecutive ports free on ``host`` right now (a TP worker's rank r serves metrics on
+    its --metrics-port + r, serve's children on consecutive ports)."""
+    for _ in range(200):
+        with socket.socket() as probe:
+            probe.bind((host, 0))
+            base = probe.getsockname()[1]
+        if base + count > 65535:
+            continue
+        sockets = []
+        try:
+            for port in range(base, base + count):
+                sock = socket.socket()
+                sockets.append(sock)
+                sock.bind((host, port))
+            return list(range(base, base + count))
+        except OSError:
+            continue
+        finally:
+            for sock in sockets:
+                sock.close()
+    raise RuntimeError(f"no {count} consecutive free ports on {host}")

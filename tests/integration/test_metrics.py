@@ -7,8 +7,6 @@ all-reduces, and every endpoint must close with its service."""
 
 from __future__ import annotations
 
-import socket
-import time
 import urllib.error
 import urllib.request
 
@@ -19,51 +17,12 @@ from smg_grpc_proto import sglang_scheduler_pb2_grpc as spb_grpc
 
 from router.client import RouterClient, collect
 from tests.integration.test_router import engine_flags, one_group_cluster
-from tests.prom import Samples, scrape
+from tests.prom import Samples, free_ports, scrape, scrape_until
 from tokenizer_svc.tokenizer import ModelTokenizer
 
 HOST = "127.0.0.1"
 REQUEST_HISTOGRAMS = ("llmserve:time_to_first_token_seconds", "llmserve:time_per_output_token_seconds",
                       "llmserve:e2e_request_latency_seconds")
-
-
-def _free_ports(count: int) -> list[int]:
-    """``count`` consecutive ports free on loopback right now (the worker's rank r takes its P + r)."""
-    for _ in range(200):
-        with socket.socket() as probe:
-            probe.bind((HOST, 0))
-            base = probe.getsockname()[1]
-        if base + count > 65535:
-            continue
-        sockets = []
-        try:
-            for port in range(base, base + count):
-                s = socket.socket()
-                sockets.append(s)
-                s.bind((HOST, port))
-            return list(range(base, base + count))
-        except OSError:
-            continue
-        finally:
-            for s in sockets:
-                s.close()
-    raise RuntimeError(f"no {count} consecutive free ports")
-
-
-def _scrape_until(port: int, done, timeout: float = 15.0) -> Samples:
-    """Scrape until ``done(samples)`` holds (a call's last messages may land just after the client's),
-    then return that scrape; the last one when it never does (the asserts then say what is off)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        samples = scrape(HOST, port)
-        try:
-            if done(samples):
-                return samples
-        except KeyError:
-            pass
-        if time.monotonic() > deadline:
-            return samples
-        time.sleep(0.1)
 
 
 def _calls(s: Samples, method: str, code: str) -> float:
@@ -74,7 +33,7 @@ def _calls(s: Samples, method: str, code: str) -> float:
 def test_every_service_reports_known_traffic(model_factory, tmp_path) -> None:
     model = model_factory("tiny")
     tok = ModelTokenizer.from_dir(model)
-    router_port, tokenizer_port, leader_port, follower_port = _free_ports(4)
+    router_port, tokenizer_port, leader_port, follower_port = free_ports(4)
     prompt_a = "Once upon a time there was a tiny model that served metrics to anyone who asked politely"
     prompt_b = "The quick brown fox"
     plan = [(prompt_a, 5), (prompt_a, 3), (prompt_b, 4)]  # the repeat finds prompt_a in the prefix cache
@@ -104,7 +63,7 @@ def test_every_service_reports_known_traffic(model_factory, tmp_path) -> None:
         assert finishes[1].cached_tokens == finishes[1].prompt_tokens - 1  # all but the last token reused
 
         # ---- the router
-        r = _scrape_until(router_port, lambda s: s.count("llmserve:e2e_request_latency_seconds") >= 3)
+        r = scrape_until(HOST, router_port, lambda s: s.count("llmserve:e2e_request_latency_seconds") >= 3)
         assert _calls(r, "Generate", "OK") == 3
         assert _calls(r, "Generate", "INVALID_ARGUMENT") == 1
         assert r.value("llmserve:prompt_tokens_total") == prompt_tokens
@@ -121,7 +80,7 @@ def test_every_service_reports_known_traffic(model_factory, tmp_path) -> None:
         # ---- the worker's rank 0
         # The router's idle HealthCheck probes run a one-token generation now and then: wait for a
         # scrape between two of them for the gauges.
-        w = _scrape_until(leader_port, lambda s: s.count("llmserve:e2e_request_latency_seconds") >= 3
+        w = scrape_until(HOST, leader_port, lambda s: s.count("llmserve:e2e_request_latency_seconds") >= 3
                           and s.value("llmserve:num_requests_running") == 0)
         assert _calls(w, "Generate", "OK") == 3
         assert _calls(w, "Generate", "INVALID_ARGUMENT") == 1
@@ -159,7 +118,7 @@ def test_every_service_reports_known_traffic(model_factory, tmp_path) -> None:
         assert "llmserve:grpc_requests_total" not in f.text  # a follower serves only health: no call metrics
 
         # ---- the tokenizer service
-        t = _scrape_until(tokenizer_port, lambda s: _calls(s, "DetokenizeStream", "OK") >= 3)
+        t = scrape_until(HOST, tokenizer_port, lambda s: _calls(s, "DetokenizeStream", "OK") >= 3)
         assert _calls(t, "Encode", "OK") == 3  # the invalid request never reached it
         assert _calls(t, "DetokenizeStream", "OK") == 3  # one stream per generation
         assert t.count("llmserve:grpc_request_duration_seconds", method="Encode") == 3
