@@ -24,7 +24,7 @@ WORKER_LAYERS: list[set[str]] = [
     {"server"},
 ]
 # llmserve's modules that services may import: they import no service and no command.
-LLMSERVE_SHARED = {"arg_types", "grpc_server", "grpc_wire", "logging", "message_limits", "parent_death",
+LLMSERVE_SHARED = {"arg_types", "grpc_server", "grpc_wire", "logging", "message_limits", "metrics", "parent_death",
                    "security", "security_args", "supervisor", "v1", "worker_protocol"}
 # Who may not import whom, across the top-level packages (prefix match on the imported module).
 FORBIDDEN: dict[str, tuple[str, ...]] = {
