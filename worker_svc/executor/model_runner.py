@@ -202,13 +202,15 @@ class ModelRunner:
         return self.model(self._prepared(step))
 
     def _prepared(self, step: StepInput) -> ForwardBatch:
-        """The step's ForwardBatch with its attention metadata (one per micro-batch under overlap)."""
+        """The step's ForwardBatch with its attention metadata (one per micro-batch under overlap). The
+        scheduler builds token ids, positions and rows on the host: on CUDA they move here (a no-op on the CPU)."""
+        device = self.device
         batch = ForwardBatch(
             mode=step.mode,
-            input_ids=step.input_ids,
-            positions=step.positions,
-            out_slots=step.out_slots,
-            req_rows=step.req_rows,
+            input_ids=step.input_ids.to(device),
+            positions=step.positions.to(device),
+            out_slots=step.out_slots.to(device),
+            req_rows=step.req_rows.to(device),
             seq_lens=step.seq_lens,
             prefix_lens=step.prefix_lens,
             req_to_token=self.kv.req_table.table,
