@@ -14,7 +14,9 @@ A decode step of n requests whose longest context is L replays the graph of the 
 at position 0 of request row 0 with length 1: they write their K/V into slot 0 (the allocator's padding
 slot, which no request owns), only read (row 0's first slot), and their logits are dropped. Steps that do not fit
 (extend and mixed steps, all-logits scoring, more requests than the largest size, a context past the
-last bucket) run eagerly, as do all steps when graphs cannot be used (``graph_plan``).
+last bucket) run eagerly, as do all steps when graphs cannot be used (``graph_plan``: not CUDA,
+``--disable-cuda-graph``, tensor parallelism over anything but NCCL, collective profiling, MoE experts
+that sync with the host).
 
 The model files know nothing of this: the runner hands the model an ordinary ``ForwardBatch`` whose
 tensors are the buffers. On the CPU it is never built; the tests run it with ``capture=False`` (the same
@@ -85,9 +87,10 @@ class GraphPlan:
 
 
 def graph_plan(engine_config: EngineConfig, device: torch.device, tp: TPContext, model: nn.Module,
-               max_context: int) -> GraphPlan:
+               max_context: int, capability: tuple[int, int] | None = None) -> GraphPlan:
     """Graphs on CUDA unless disabled or the step cannot be captured; ``max_context``: the longest
-    sequence a request can reach (the context length, or the KV pool if smaller)."""
+    sequence a request can reach (the context length, or the KV pool if smaller); ``capability``: the
+    CUDA device's compute capability."""
 
     def off(reason: str) -> GraphPlan:
         return GraphPlan(enabled=False, reason=reason)
@@ -100,8 +103,14 @@ def graph_plan(engine_config: EngineConfig, device: torch.device, tp: TPContext,
         return off("collective profiling times every collective on the host")
     if tp.size > 1 and tp.comm_kind != "nccl":
         return off(f"tensor-parallel collectives over {tp.comm_kind} cannot be captured (NCCL's can)")
-    if any(isinstance(m, DeepseekMoE) and m.grouped is None for m in model.modules()):
+    moes = [m for m in model.modules() if isinstance(m, DeepseekMoE)]
+    if any(m.grouped is None for m in moes):
         return off("MoE experts run as a loop with a host sync per layer (--moe-experts grouped has none)")
+    grouped = [m.grouped for m in moes if m.grouped is not None]
+    if grouped and (grouped[0].gate_up_t.dtype != torch.bfloat16 or capability is None or capability[0] not in (9, 10)):
+        # torch._grouped_mm has a CUDA kernel for bf16 on sm90/sm100 only; elsewhere it loops over the
+        # groups on the host (offs.cpu()), which a capture cannot hold.
+        return off("grouped MoE GEMMs outside bf16 on sm90/sm100 loop on the host (torch._grouped_mm)")
     max_bs = min(engine_config.cuda_graph_max_bs or engine_config.max_running_requests,
                  engine_config.max_running_requests)
     return GraphPlan(enabled=True, reason="", batch_sizes=tuple(capture_batch_sizes(max_bs)),

@@ -164,8 +164,9 @@ class ModelRunner:
         return kv
 
     def _build_cuda_graphs(self) -> CudaGraphRunner | None:
+        capability = torch.cuda.get_device_capability(self.device) if self.device.type == "cuda" else None
         plan = graph_plan(self.engine_config, self.device, self.tp, self.model,
-                          min(self.context_len, self.kv.allocator.size))
+                          min(self.context_len, self.kv.allocator.size), capability)
         if not plan.enabled:
             log.info("cuda graphs off", reason=plan.reason)
             return None
