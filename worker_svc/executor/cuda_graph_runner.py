@@ -259,7 +259,9 @@ class CudaGraphRunner:
                 torch.cuda.current_stream(self.device).wait_stream(stream)
                 graph = torch.cuda.CUDAGraph()
                 try:
-                    with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    # thread_local: only this thread's calls are checked; other threads (NCCL's watchdog
+                    # polling the events of earlier collectives) may keep querying the device meanwhile.
+                    with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
                         out = self.forward_static(bs, bucket)
                 except RuntimeError as exc:
                     raise RuntimeError(f"capturing the decode CUDA graph (batch {bs}, context {bucket}) failed: "
