@@ -6,7 +6,8 @@
 #   benchmarks/ab_commits.sh BASE_REV MODEL [ROUNDS]
 #
 # REPEATS=N (default 1) measures each batch size N times per run (--repeats): one 128-token prefill
-# takes ~0.1 s, so a single one per run is noisy.
+# takes ~0.1 s, so a single one per run is noisy. EXTRA_FLAGS are passed to both sides (e.g.
+# "--cpu-bf16-linear aten" to hold a later kernel change out of the comparison).
 set -euo pipefail
 base_rev=${1:?usage: benchmarks/ab_commits.sh BASE_REV MODEL [ROUNDS]}
 model=$(realpath "${2:?model folder}")
@@ -22,7 +23,7 @@ for round in $(seq "$rounds"); do
         src=$root; [ "$side" = base ] && src=$work/base
         (cd "$src" && PYTHONPATH=$src "$root/.venv/bin/python" -m llmserve.cli bench-one-batch --model "$model" \
             --dtype bfloat16 --batch-size 1 16 --input-len 128 --output-len 16 --threads 2 \
-            --max-total-tokens 2400 --repeats "$repeats" --result-file "$work/${side}_${round}.json" >/dev/null 2>&1)
+            --max-total-tokens 2400 --repeats "$repeats" ${EXTRA_FLAGS:-} --result-file "$work/${side}_${round}.json" >/dev/null 2>&1)
     done
 done
 "$root/.venv/bin/python" - "$work" "$rounds" <<'PY'

@@ -7,6 +7,7 @@ from collections.abc import Callable, Sequence
 from llmserve import parent_death
 from llmserve.commands import (
     bench_one_batch,
+    bench_serving,
     client,
     eval_ppl,
     gen_protos,
@@ -25,6 +26,7 @@ SUBCOMMANDS: tuple[Register, ...] = (
     make_model.register,
     models.register,
     bench_one_batch.register,
+    bench_serving.register,
     eval_ppl.register,
     gen_protos.register,
     tokenizer.register,

@@ -50,6 +50,7 @@ from llmserve.grpc_server import (
 from llmserve.grpc_wire import InvalidRequest, tolerant
 from llmserve.logging import get_logger, request_context
 from llmserve.message_limits import message_size_options
+from llmserve.metrics import RouterMetrics
 from llmserve.security import HEALTH_METHODS, ChannelSecurity, ServerSecurity, current_identity
 from llmserve.v1 import router_pb2 as pb
 from llmserve.v1 import tokenizer_pb2 as tpb
@@ -428,9 +429,11 @@ class _WorkerStreamEnded(Exception):
 class RouterServicer:
     """Implements llmserve.v1.Router (registered through `handlers()`, see llmserve/grpc_wire.py)."""
 
-    def __init__(self, options: RouterOptions, health_servicer: ServiceHealth | None = None):
+    def __init__(self, options: RouterOptions, health_servicer: ServiceHealth | None = None,
+                 metrics: RouterMetrics | None = None):
         self.options = options
         self.health = health_servicer
+        self.metrics = metrics
         self.tok_channel = options.internal_security.aio_channel(options.tokenizer, CHANNEL_OPTIONS)
         self.tok_stub = tpb_grpc.TokenizerStub(self.tok_channel)
         self.tok_health = health_pb2_grpc.HealthStub(self.tok_channel)
@@ -455,6 +458,8 @@ class RouterServicer:
         self.runs: set[_Run] = set()  # attempts streaming from a worker now
         self.background = BackgroundCalls()  # tokenizer calls left to finish by cancelled requests
         self.stopping = False
+        if metrics is not None:
+            metrics.running.set_function(lambda: len(self.runs))
 
     def interrupt_all(self, reason: str) -> None:
         for run in list(self.runs):
@@ -714,17 +719,39 @@ class RouterServicer:
             except _RetryElsewhere as exc:
                 failures.append(str(exc))
                 log.warning("worker group failed before the first token; retrying elsewhere", error=str(exc))
+                if self.metrics is not None:
+                    self.metrics.retries.inc()
                 continue
             first = run.first_response_at
+            now = time.monotonic()
             log.info(
                 "generate finished",
                 group=group.index,
                 finish_reasons=[f.reason for f in finishes],
                 completion_tokens=sum(f.usage.completion_tokens for f in finishes),
-                duration_s=round(time.monotonic() - plan.received, 4),
+                duration_s=round(now - plan.received, 4),
                 ttft_s=round(first - plan.received, 4) if first else None,
             )
+            if self.metrics is not None:
+                self._observe(plan, finishes, first, now)
             return
+
+    def _observe(self, plan: _Plan, finishes: list[pb.Finish], first: float | None, now: float) -> None:
+        """A finished Generate/Chat call: tokens and finish reasons per sequence (from usage), its
+        latencies once (TPOT over its longest sequence)."""
+        assert self.metrics is not None
+        requests = self.metrics.requests
+        for f in finishes:
+            requests.success.labels(f.reason or "stop").inc()
+            requests.prompt_tokens.inc(f.usage.prompt_tokens)
+            requests.generation_tokens.inc(f.usage.completion_tokens)
+            requests.cached_prompt_tokens.inc(f.usage.cached_tokens)
+        longest = max((f.usage.completion_tokens for f in finishes), default=0)
+        requests.e2e.observe(now - plan.received)
+        if first is not None:
+            requests.ttft.observe(first - plan.received)
+            if longest >= 2:
+                requests.tpot.observe((now - first) / (longest - 1))
 
     def _identity(self, context) -> str:
         # Set by the auth interceptor (llmserve/security.py) from the client's token; None without auth.
@@ -906,6 +933,8 @@ class RunningRouter:
             self.servicer.interrupt_all("the router is shutting down")
         await stopped
         await self.servicer.close()
+        if self.servicer.metrics is not None:
+            self.servicer.metrics.stop_serving()
 
 
 # With client tokens on, only health stays open (reflection too needs a token); ListWorkers shows
@@ -915,35 +944,41 @@ _ADMIN_METHODS = frozenset({f"/{SERVICE_NAME}/ListWorkers"})
 
 
 async def start_router(
-    options: RouterOptions, host: str = "127.0.0.1", port: int = 0, security: ServerSecurity = ServerSecurity()
+    options: RouterOptions, host: str = "127.0.0.1", port: int = 0, security: ServerSecurity = ServerSecurity(),
+    metrics: RouterMetrics | None = None,
 ) -> RunningRouter:
-    """`security`: TLS of the public port and the client tokens it accepts (llmserve/security.py)."""
+    """`security`: TLS of the public port and the client tokens it accepts (llmserve/security.py).
+    `metrics`: the router's metric set (llmserve/metrics.py), served until `stop`; None: no metrics."""
+    counting = [metrics.grpc.interceptor()] if metrics is not None else []
     server = grpc.aio.server(
         options=[
             ("grpc.so_reuseport", 0),  # a second router on the same port fails instead of sharing it
             *message_size_options(),  # the same bound on every service and channel
         ],
         maximum_concurrent_rpcs=_backstop_rpcs(options),
-        interceptors=security.interceptors(_OPEN_METHODS, _ADMIN_METHODS, realm="router"),
+        interceptors=[*counting, *security.interceptors(_OPEN_METHODS, _ADMIN_METHODS, realm="router")],
     )
     health_servicer = ServiceHealth(SERVICE_NAME)
     await health_servicer.set_serving(False)
-    servicer = RouterServicer(options, health_servicer)
+    servicer = RouterServicer(options, health_servicer, metrics)
     handlers = servicer.handlers()
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
     server.add_registered_method_handlers(SERVICE_NAME, handlers)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, "grpc.health.v1.Health", reflection.SERVICE_NAME), server)
     bound = listen(server, host, port, security.tls)
+    if metrics is not None:
+        metrics.serve()
     await server.start()
     servicer.start()
     return RunningRouter(server, bound, servicer, health_servicer)
 
 
 async def _serve(
-    options: RouterOptions, host: str, port: int, port_file: str | None, grace: float, security: ServerSecurity
+    options: RouterOptions, host: str, port: int, port_file: str | None, grace: float, security: ServerSecurity,
+    metrics: RouterMetrics | None,
 ) -> int:
-    running = await start_router(options, host, port, security)
+    running = await start_router(options, host, port, security, metrics)
     internal = options.internal_security
     log.info(
         "router listening",
@@ -972,6 +1007,7 @@ def serve(
     port_file: str | None = None,
     grace: float = 5.0,
     security: ServerSecurity = ServerSecurity(),
+    metrics: RouterMetrics | None = None,
 ) -> int:
     """Serve until SIGINT or SIGTERM, then stop gracefully and return 0."""
-    return asyncio.run(_serve(options, host, port, port_file, grace, security))
+    return asyncio.run(_serve(options, host, port, port_file, grace, security, metrics))

@@ -28,6 +28,7 @@ from llmserve.grpc_server import (
 )
 from llmserve.logging import get_logger, request_context
 from llmserve.message_limits import message_size_options
+from llmserve.metrics import TokenizerMetrics
 from llmserve.security import HEALTH_METHODS, ServerSecurity
 from llmserve.v1 import tokenizer_pb2 as pb
 from llmserve.v1 import tokenizer_pb2_grpc as pb_grpc
@@ -145,32 +146,41 @@ class RunningServer:
     server: grpc.aio.Server
     port: int
     health: ServiceHealth
+    metrics: TokenizerMetrics | None = None
 
     async def stop(self, grace: float | None = 5.0) -> None:
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace)
+        if self.metrics is not None:
+            self.metrics.stop_serving()
 
 
 async def start_server(model: str | Path | ModelTokenizer, host: str = "127.0.0.1", port: int = 0,
-                       security: ServerSecurity = ServerSecurity()) -> RunningServer:
+                       security: ServerSecurity = ServerSecurity(),
+                       metrics: TokenizerMetrics | None = None) -> RunningServer:
     """Start serving on host:port (port 0 picks a free one); return the server and its bound port.
-    `security`: TLS, and the internal token every call but grpc.health.v1 must carry."""
+    `security`: TLS, and the internal token every call but grpc.health.v1 must carry. `metrics`: the
+    service's metric set (llmserve/metrics.py), served until `stop`; None: no metrics."""
     tokenizer = model if isinstance(model, ModelTokenizer) else ModelTokenizer.from_dir(model)
+    counting = [metrics.grpc.interceptor()] if metrics is not None else []
     server = grpc.aio.server(options=message_size_options(),  # the router's bound, not grpc's 4 MiB
-                             interceptors=security.interceptors(HEALTH_METHODS, realm="tokenizer service"))
+                             interceptors=[*counting,
+                                           *security.interceptors(HEALTH_METHODS, realm="tokenizer service")])
     pb_grpc.add_TokenizerServicer_to_server(TokenizerServicer(tokenizer), server)
     health_servicer = ServiceHealth(SERVICE_NAME)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, "grpc.health.v1.Health", reflection.SERVICE_NAME), server)
     bound = listen(server, host, port, security.tls)
+    if metrics is not None:
+        metrics.serve()
     await server.start()
     await health_servicer.set_serving(True)
-    return RunningServer(server, bound, health_servicer)
+    return RunningServer(server, bound, health_servicer, metrics)
 
 
 async def _serve(model_dir: str | Path, host: str, port: int, port_file: str | Path | None,
-                 security: ServerSecurity) -> int:
-    running = await start_server(model_dir, host, port, security)
+                 security: ServerSecurity, metrics: TokenizerMetrics | None) -> int:
+    running = await start_server(model_dir, host, port, security, metrics)
     log.info("tokenizer service listening", address=grpc_address(host, running.port), model=str(model_dir),
              tls=security.tls is not None, mtls=security.tls is not None and security.tls.mutual,
              auth=security.tokens is not None)
@@ -183,6 +193,7 @@ async def _serve(model_dir: str | Path, host: str, port: int, port_file: str | P
 
 
 def serve(model_dir: str | Path, host: str = "127.0.0.1", port: int = 0,
-          port_file: str | Path | None = None, security: ServerSecurity = ServerSecurity()) -> int:
+          port_file: str | Path | None = None, security: ServerSecurity = ServerSecurity(),
+          metrics: TokenizerMetrics | None = None) -> int:
     """Serve until SIGINT or SIGTERM, then stop gracefully and return 0."""
-    return asyncio.run(_serve(model_dir, host, port, port_file, security))
+    return asyncio.run(_serve(model_dir, host, port, port_file, security, metrics))

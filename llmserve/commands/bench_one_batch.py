@@ -113,6 +113,7 @@ def correctness(runner: StepRunner, args: argparse.Namespace) -> int:
     prompts = [tokenizer.encode(text).ids for text in texts]
     output_len = args.output_len[0]
     logits, outputs = greedy_with_split_prefill(runner, prompts, output_len, args.cut_len)
+    logits = logits.cpu()  # HF's reference runs on the CPU
     ref_logits, ref_outputs = hf_greedy(args.model, prompts, output_len)
     exact = runner.dtype == torch.float32
     ok = True
@@ -149,6 +150,8 @@ def _timed_run(runner: StepRunner, batch_size: int, input_len: int, output_len: 
 
     from llmserve.bench.driver import StaticBatch
 
+    # CUDA queues kernels and returns: a step is timed to the end of its work.
+    sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
     generator = torch.Generator().manual_seed(0)
     vocab = runner.model_config.vocab_size
     prompts = torch.randint(0, vocab, (batch_size, input_len), generator=generator).tolist()
@@ -157,8 +160,10 @@ def _timed_run(runner: StepRunner, batch_size: int, input_len: int, output_len: 
     try:
         if profiler is not None:
             profiler.reset()
+        sync()
         start = time.perf_counter()
         logits = batch.extend(prompts)
+        sync()
         prefill = time.perf_counter() - start
         if profiler is not None:
             comm["prefill"] = profiler.per_step(1)
@@ -169,6 +174,7 @@ def _timed_run(runner: StepRunner, batch_size: int, input_len: int, output_len: 
         for step in range(output_len - 1):
             tick = time.perf_counter()
             logits = batch.decode(logits.argmax(dim=-1))
+            sync()
             decode_times.append(time.perf_counter() - tick)
             if not quiet and step < 5:
                 print(f"Decode.  latency: {decode_times[-1]:6.5f} s, "

@@ -64,6 +64,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tbo-min-tokens", type=int, default=1024, metavar="N",
                    help="--enable-two-batch-overlap: split only steps of at least N tokens (default 1024: on "
                    "the CPU a split decode reads every weight twice, docs/benchmarks.md)")
+    g.add_argument("--disable-cuda-graph", action="store_true",
+                   help="CUDA: run decode steps eagerly instead of replaying captured CUDA graphs (graphs are "
+                   "on by default on CUDA, never used on the CPU)")
+    g.add_argument("--cuda-graph-max-bs", type=int, default=None, metavar="N",
+                   help="CUDA graphs: capture decode batch sizes 1, 2, 4, 8, 16, 24, ... up to N (default "
+                   "--max-running-requests); larger decode batches run eagerly")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -88,6 +94,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         moe_experts=getattr(args, "moe_experts", "auto"),
         enable_two_batch_overlap=getattr(args, "enable_two_batch_overlap", False),
         tbo_min_tokens=getattr(args, "tbo_min_tokens", 1024),
+        disable_cuda_graph=getattr(args, "disable_cuda_graph", False),
+        cuda_graph_max_bs=getattr(args, "cuda_graph_max_bs", None),
     )
 
 

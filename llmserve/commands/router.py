@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import argparse
 
+from llmserve.arg_types import add_metrics_port_arg
+
 DEFAULT_ROUTER_PORT = 30000
 POLICIES = ("least_load", "round_robin", "prefix")
 
@@ -116,6 +118,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help=f"port (default {DEFAULT_ROUTER_PORT}; 0: any free port, see --port-file)",
     )
     p.add_argument("--port-file", default=None, help="write the bound port to this file once serving")
+    add_metrics_port_arg(p)
     p.add_argument(
         "--policy", choices=POLICIES, default="least_load", help="how to pick a worker group (default least_load)"
     )
@@ -163,6 +166,7 @@ def _run(args: argparse.Namespace) -> int:
     import sys
 
     from llmserve.logging import configure_logging
+    from llmserve.metrics import MetricsConfig, RouterMetrics
     from llmserve.security import SecurityConfigError
     from llmserve.security_args import internal_security_from_args, server_security_from_args
     from router.limits import RequestLimits
@@ -193,4 +197,10 @@ def _run(args: argparse.Namespace) -> int:
         log_prompts=args.log_prompts,
         internal_security=internal,
     )
-    return serve(options, args.host, args.port, port_file=args.port_file, grace=args.shutdown_grace, security=security)
+    metrics = RouterMetrics.create(MetricsConfig(args.host, args.metrics_port)) if args.metrics_port else None
+    try:
+        return serve(options, args.host, args.port, port_file=args.port_file, grace=args.shutdown_grace,
+                     security=security, metrics=metrics)
+    except OSError as exc:  # a port that cannot be bound
+        print(f"llmserve router: {exc}", file=sys.stderr)
+        return 1

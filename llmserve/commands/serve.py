@@ -20,6 +20,10 @@ stops the cluster at once. No child outlives this process, even after kill -9 (p
 plus a parent watch); their pids are in LOG_DIR/pids.json. Children run in their own session, so a
 terminal's Ctrl-C reaches only this process, which then shuts them down in order. Their logs go to
 --log-dir (default: a new temporary folder).
+
+Metrics (docs/metrics.md): --metrics-port BASE gives every process its own Prometheus endpoint on
+--host, on consecutive ports: the router BASE, the tokenizer BASE+1, worker group i's rank r
+BASE+2+i*tp+r. Default 0: no metrics.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ import threading
 import time
 from pathlib import Path
 
-from llmserve.arg_types import count, positive_seconds, seconds
+from llmserve.arg_types import count, port_number, positive_seconds, seconds
 from llmserve.commands.engine_args import add_engine_args, engine_argv
 from llmserve.commands.router import DEFAULT_ROUTER_PORT, POLICIES, add_limit_args, limit_argv
 from llmserve.commands.worker import add_worker_limit_args, worker_limit_argv
@@ -56,6 +60,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     g.add_argument("--port", type=int, default=DEFAULT_ROUTER_PORT,
                    help=f"the router's port (default {DEFAULT_ROUTER_PORT}; 0: any free port)")
     g.add_argument("--policy", choices=POLICIES, default="least_load", help="the router's routing policy")
+    g.add_argument("--metrics-port", type=port_number, default=0, metavar="BASE",
+                   help="Prometheus metrics of every process on --host, consecutive ports from BASE: router BASE, "
+                   "tokenizer BASE+1, worker group i rank r BASE+2+i*tp+r (docs/metrics.md). Default 0: none")
     add_limit_args(p)
     add_worker_limit_args(p.add_argument_group("worker limits"))
     g.add_argument("--served-model-name", default=None, help="model name clients may send (default: folder name)")
@@ -141,6 +148,10 @@ def run(args: argparse.Namespace) -> int:
     if args.dp < 1:
         print(f"llmserve serve: --dp must be >= 1, got {args.dp}", file=sys.stderr)
         return 2
+    if args.metrics_port and metrics_ports(args.metrics_port, args.dp, args.tp)[-1] > 65535:
+        print(f"llmserve serve: --metrics-port {args.metrics_port}: the cluster needs {2 + args.dp * args.tp} "
+              "consecutive ports from it, past 65535", file=sys.stderr)
+        return 2
     model = Path(args.model).resolve()
     for name in ("config.json", "tokenizer.json"):
         if not (model / name).is_file():
@@ -166,6 +177,16 @@ def run(args: argparse.Namespace) -> int:
             signal.signal(sig, handler)
 
 
+def metrics_ports(base: int, dp: int, tp: int) -> list[int]:
+    """[router, tokenizer, worker 0 rank 0, ...] metrics ports from ``base`` (worker group i's rank r:
+    base + 2 + i*tp + r; each group's leader hands rank r its own port + r)."""
+    return [base + k for k in range(2 + dp * tp)]
+
+
+def _metrics_argv(port: int) -> list[str]:
+    return ["--metrics-port", str(port)] if port else []
+
+
 def _run_cluster(args: argparse.Namespace, model: Path, log_dir: Path, stop: threading.Event,
                  security: ServeSecurity = ServeSecurity()) -> int:
     from llmserve.grpc_server import grpc_address
@@ -182,16 +203,20 @@ def _run_cluster(args: argparse.Namespace, model: Path, log_dir: Path, stop: thr
         # M workers on one machine share its cores; unbounded OpenMP pools would oversubscribe it.
         worker_env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // (args.dp * args.tp)))
     served = args.served_model_name or model.name
+    ports = metrics_ports(args.metrics_port, args.dp, args.tp) if args.metrics_port else [0] * (2 + args.dp * args.tp)
+    router_metrics, tokenizer_metrics = ports[0], ports[1]
+    worker_metrics = [ports[2 + i * args.tp] for i in range(args.dp)]
 
     tokenizer = Child("tokenizer", py + ["tokenizer", "--model", str(model), "--host", args.host, "--port", "0",
                                          "--port-file", str(log_dir / "tokenizer.port"),
+                                         *_metrics_argv(tokenizer_metrics),
                                          *security.backend_argv(internal_token), *common],
                       log_dir / "tokenizer.log", log_dir / "tokenizer.port", base_env)
     workers = [
         Child(f"worker {i}", py + ["worker", "--model", str(model), "--host", args.host, "--port", "0",
                                    "--port-file", str(log_dir / f"worker{i}.port"), "--served-model-name", served,
                                    *(["--tp", str(args.tp), "--tp-comm", args.tp_comm] if args.tp > 1 else []),
-                                   *engine_argv(args),
+                                   *_metrics_argv(worker_metrics[i]), *engine_argv(args),
                                    *worker_limit_argv(args), *security.backend_argv(internal_token), *common],
               log_dir / f"worker{i}.log", log_dir / f"worker{i}.port", worker_env)
         for i in range(args.dp)
@@ -221,7 +246,7 @@ def _run_cluster(args: argparse.Namespace, model: Path, log_dir: Path, stop: thr
                 "--host", args.host, "--port", str(args.port), "--port-file", str(log_dir / "router.port"),
                 "--policy", args.policy, "--served-model-name", served, "--probe-interval", str(args.probe_interval),
                 "--shutdown-grace", str(args.shutdown_grace), *limit_argv(args), *security.router_argv(internal_token),
-                *common],
+                *_metrics_argv(router_metrics), *common],
                 log_dir / "router.log", log_dir / "router.port", base_env)
             supervisor.start(router)
             supervisor.wait_ready([router], stop)
@@ -239,6 +264,11 @@ def _run_cluster(args: argparse.Namespace, model: Path, log_dir: Path, stop: thr
                   f"pid {w.pid})")
         print(f"  tokenizer  {grpc_address(connect, tokenizer.address_port)}  "
               f"(llmserve.v1.Tokenizer; pid {tokenizer.pid})")
+        if args.metrics_port:
+            ranks = ", ".join(f"worker {i} rank {r} {worker_metrics[i] + r}"
+                              for i in range(args.dp) for r in range(args.tp))
+            print(f"  metrics    http://{grpc_address(connect, router_metrics)}/metrics (router), tokenizer "
+                  f"{tokenizer_metrics}, {ranks}")
         flags = "".join(f" {a}" for a in security.client_argv())
         print(f'  try:  llmserve generate --router {address}{flags} "Once upon a time" --max-new-tokens 32')
         print(f"        llmserve chat --router {address}{flags}")

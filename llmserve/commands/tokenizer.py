@@ -4,6 +4,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from llmserve.arg_types import add_metrics_port_arg
 from llmserve.security_args import add_server_args
 
 
@@ -18,6 +19,7 @@ def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") 
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=0, help="port (default 0: any free port, see --port-file)")
     p.add_argument("--port-file", default=None, help="write the bound port to this file once serving")
+    add_metrics_port_arg(p)
     add_server_args(p, "--internal-token-file",
                     "refuse every call but grpc.health.v1 without this file's token (the router's "
                     "--internal-token-file)")
@@ -28,6 +30,7 @@ def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") 
 
 def _run(args: argparse.Namespace) -> int:
     from llmserve.logging import configure_logging
+    from llmserve.metrics import MetricsConfig, TokenizerMetrics
     from llmserve.security import SecurityConfigError
     from llmserve.security_args import server_security_from_args
 
@@ -42,4 +45,9 @@ def _run(args: argparse.Namespace) -> int:
         return 2
     from tokenizer_svc.server import serve
 
-    return serve(args.model, args.host, args.port, port_file=args.port_file, security=security)
+    metrics = TokenizerMetrics.create(MetricsConfig(args.host, args.metrics_port)) if args.metrics_port else None
+    try:
+        return serve(args.model, args.host, args.port, port_file=args.port_file, security=security, metrics=metrics)
+    except OSError as exc:  # a port that cannot be bound
+        print(f"llmserve tokenizer: {exc}", file=sys.stderr)
+        return 1

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import os
 import sys
 import time
@@ -32,7 +33,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from llmserve.arg_types import count, positive_count, positive_seconds
+from llmserve.arg_types import add_metrics_port_arg, count, positive_count, positive_seconds
 from llmserve.commands.engine_args import add_engine_args, engine_config_from_args
 from llmserve.logging import configure_logging
 from llmserve.security_args import add_server_args
@@ -66,6 +67,7 @@ def _tp_layout(args: argparse.Namespace) -> tuple[int, int, str]:
 
 async def _serve(args: argparse.Namespace, security: ServerSecurity) -> int:
     from llmserve.grpc_server import stop_signal_event, write_port_file
+    from llmserve.metrics import FollowerMetrics, MetricsConfig, WorkerMetrics
     from worker_svc.engine.engine import Engine
     from worker_svc.engine.engine_loop import EngineLoop
     from worker_svc.server.app import WorkerServer
@@ -74,6 +76,7 @@ async def _serve(args: argparse.Namespace, security: ServerSecurity) -> int:
     config = engine_config_from_args(args)
     size, rank, init_addr = _tp_layout(args)
     tp_secret = _tp_secret(args, os.environ) if size > 1 else None
+    metrics_config = MetricsConfig(args.host, args.metrics_port)
     if rank > 0:
         from worker_svc.server.tp_follower import serve_follower
 
@@ -85,13 +88,16 @@ async def _serve(args: argparse.Namespace, security: ServerSecurity) -> int:
         return await serve_follower(
             config, rank, size, init_addr, args.host, args.port, args.tp_timeout, args.tp_connect_timeout,
             args.shutdown_grace, listening, tp_secret, args.tp_comm,
+            metrics=FollowerMetrics.create(metrics_config) if args.metrics_port else None,
         )
 
+    metrics = WorkerMetrics.create(metrics_config) if args.metrics_port else None
     leader = None
     before_step = _step_delay(args.debug_step_delay) if args.debug_step_delay else None
     if size > 1:
         from llmserve import parent_death
         from llmserve.commands.engine_args import engine_argv
+        from worker_svc.parallel.collective_observer import StepCollectives
         from worker_svc.parallel.heartbeat import new_secret
         from worker_svc.server.launch import spawn_follower_processes
         from worker_svc.server.tp_leader import TPLeader
@@ -107,25 +113,26 @@ async def _serve(args: argparse.Namespace, security: ServerSecurity) -> int:
             # followers' parent-death signal fires when this process dies, not earlier.
             children = spawn_follower_processes(
                 size, init_addr, shared + (["--log-json"] if args.log_json else []), tp_secret,
-                env={**os.environ, **parent_death.child_env()}, preexec_fn=parent_death.die_with_parent_preexec())
+                env={**os.environ, **parent_death.child_env()}, preexec_fn=parent_death.die_with_parent_preexec(),
+                metrics_port=args.metrics_port)
         try:
-            leader = await asyncio.to_thread(
+            leader = await asyncio.to_thread(functools.partial(
                 TPLeader.start, config, size, init_addr, args.tp_timeout, args.tp_connect_timeout, children, tp_secret,
-                args.tp_comm,
-            )
+                args.tp_comm, collectives=StepCollectives() if metrics is not None else None,
+            ))
         except BaseException:
             for child in children:
                 child.kill()
                 child.wait()
             raise
         engine = leader.engine
-        engine_loop = leader.engine_loop(before_step=before_step)
+        engine_loop = leader.engine_loop(before_step=before_step, metrics=metrics)
     else:
         engine = await asyncio.to_thread(Engine, config)
-        engine_loop = EngineLoop(engine, before_step=before_step)
+        engine_loop = EngineLoop(engine, before_step=before_step, metrics=metrics)
     options = worker_options(args)
     server = WorkerServer(engine, host=args.host, port=args.port, options=options, engine_loop=engine_loop,
-                          security=security)
+                          security=security, metrics=metrics)
     port = await server.start()
     if args.port_file:
         write_port_file(args.port_file, port)
@@ -288,6 +295,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
     g.add_argument("--port", type=int, default=30001, help="gRPC port; 0 lets the OS pick one")
     g.add_argument("--port-file", default=None, help="write the bound port here once serving")
+    add_metrics_port_arg(g, "serve Prometheus metrics at http://HOST:P/metrics, HOST being --host (plain HTTP, "
+                         "no auth; docs/metrics.md); every rank has its own: with --tp N on one machine rank r "
+                         "serves on P + r. Default 0: no metrics")
     g.add_argument("--served-model-name", default=None, help="model name reported to gateways (default: folder name)")
     g.add_argument(
         "--advertised-model-path",

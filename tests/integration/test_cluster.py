@@ -185,6 +185,36 @@ def test_serve_with_tensor_parallel_groups(serve) -> None:
     assert not any(_alive(p) for p in s.pids().values())
 
 
+def test_serve_gives_every_process_its_metrics_port(serve) -> None:
+    """--metrics-port BASE: the router on BASE, the tokenizer on BASE+1, the worker group's ranks on
+    BASE+2 and BASE+3 (rank 0 hands rank 1 its port), each reporting the demo; all closed at the end."""
+    from tests.prom import free_ports, scrape, scrape_until
+
+    ports = free_ports(4)
+    s = serve("--tp", "2", "--metrics-port", str(ports[0]), "--demo-prompt", "Once upon a time",
+              "--demo-max-new-tokens", "6")
+    s.wait_line("serving; Ctrl-C or SIGTERM stops the cluster")
+    assert f"http://127.0.0.1:{ports[0]}/metrics (router), tokenizer {ports[1]}, worker 0 rank 0 {ports[2]}, " \
+           f"worker 0 rank 1 {ports[3]}" in "".join(s.lines)
+    router = scrape_until("127.0.0.1", ports[0], lambda m: m.count("llmserve:e2e_request_latency_seconds") == 1)
+    tokenizer, leader, follower = (scrape("127.0.0.1", p) for p in ports[1:])
+    assert router.value("llmserve:request_success_total", finished_reason="length") == 1
+    assert router.value("llmserve:generation_tokens_total") == 6
+    assert tokenizer.value("llmserve:grpc_requests_total", method="Encode", code="OK") == 1
+    assert leader.value("llmserve:generation_tokens_total") == 6
+    assert follower.count("llmserve:engine_step_duration_seconds") >= 6
+    s.proc.send_signal(signal.SIGTERM)
+    assert s.proc.wait(60) == 0, "".join(s.err)
+    for port in ports:
+        with pytest.raises(OSError):  # URLError: nothing listens any more
+            scrape("127.0.0.1", port, timeout=2)
+
+
+def test_serve_rejects_a_metrics_port_range_past_65535(model_factory, capsys) -> None:
+    assert cli_main(["serve", "--model", str(model_factory("tiny")), "--tp", "2", "--metrics-port", "65533"]) == 2
+    assert "--metrics-port 65533" in capsys.readouterr().err
+
+
 def test_serve_int4_quantized_tensor_parallel_cluster(serve, model_factory) -> None:
     """The quantization issue's cluster check: int4wo-128 on two tensor-parallel ranks (small preset:
     every per-rank input dimension is a multiple of 128) answers through the router with the same

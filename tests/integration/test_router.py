@@ -99,10 +99,11 @@ def engine_flags() -> list[str]:
 
 @contextlib.contextmanager
 def one_group_cluster(model: Path, workdir: Path, worker_flags: list[str] | None = None,
-                      router_flags: list[str] = ()) -> Iterator[tuple[Proc, Proc, Proc]]:
+                      router_flags: list[str] = (),
+                      tokenizer_flags: list[str] = ()) -> Iterator[tuple[Proc, Proc, Proc]]:
     """(tokenizer, worker, router) as processes, the router SERVING; stopped on exit (SIGCONT
     first, for tests that SIGSTOP one)."""
-    tokenizer = spawn("tokenizer", ["tokenizer", "--model", str(model)], workdir)
+    tokenizer = spawn("tokenizer", ["tokenizer", "--model", str(model), *tokenizer_flags], workdir)
     worker = spawn("worker", ["worker", "--model", str(model),
                               *(engine_flags() if worker_flags is None else worker_flags)], workdir)
     procs = [tokenizer, worker]

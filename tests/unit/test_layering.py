@@ -24,8 +24,8 @@ WORKER_LAYERS: list[set[str]] = [
     {"server"},
 ]
 # llmserve's modules that services may import: they import no service and no command.
-LLMSERVE_SHARED = {"arg_types", "grpc_server", "grpc_wire", "kv_hash", "logging", "message_limits", "parent_death",
-                   "security", "security_args", "supervisor", "v1", "worker_protocol"}
+LLMSERVE_SHARED = {"arg_types", "grpc_server", "grpc_wire", "kv_hash", "logging", "message_limits", "metrics",
+                   "parent_death", "security", "security_args", "supervisor", "v1", "worker_protocol"}
 # Who may not import whom, across the top-level packages (prefix match on the imported module).
 FORBIDDEN: dict[str, tuple[str, ...]] = {
     "worker_svc": ("router", "tokenizer_svc", "llmserve.commands", "llmserve.cli", "llmserve.bench"),

@@ -26,6 +26,10 @@ class AttentionBackend(Protocol):
     def prepare(self, batch: ForwardBatch) -> None:
         """Build per-step metadata (gather indices, masks) once, shared by every layer."""
 
+    def prepare_fixed_decode(self, batch: ForwardBatch, seq_lens: torch.Tensor, max_len: int) -> None:
+        """A decode step's metadata at a fixed shape ([batch, max_len], lengths as the device tensor
+        ``seq_lens``) with no host read: what a CUDA graph captures (attention/metadata.py)."""
+
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch
     ) -> torch.Tensor:
@@ -40,6 +44,10 @@ class MLAAttentionBackend(Protocol):
 
     def prepare(self, batch: ForwardBatch) -> None:
         """Build per-step metadata (gather indices, masks) once, shared by every layer."""
+
+    def prepare_fixed_decode(self, batch: ForwardBatch, seq_lens: torch.Tensor, max_len: int) -> None:
+        """A decode step's metadata at a fixed shape ([batch, max_len], lengths as the device tensor
+        ``seq_lens``) with no host read: what a CUDA graph captures (attention/metadata.py)."""
 
     def forward_mla(
         self, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, layer: MLAAttentionLayer,

@@ -40,6 +40,18 @@ def prepare_decode(batch: ForwardBatch) -> DecodeMetadata:
     return DecodeMetadata(slot_index=slot_index, mask=mask, seq_lens=lens)
 
 
+def prepare_decode_fixed(
+    req_to_token: torch.Tensor, req_rows: torch.Tensor, seq_lens: torch.Tensor, max_len: int
+) -> DecodeMetadata:
+    """A decode's metadata at a fixed shape, from device tensors only (no host read, no shape that depends
+    on the data), so a CUDA graph can capture it: [batch, max_len] slots with the length mask always
+    present. ``max_len`` (a context bucket) may exceed every request's length: the positions past it are
+    masked, as in ``prepare_decode``."""
+    valid = torch.arange(max_len, device=req_to_token.device)[None, :] < seq_lens[:, None]  # [batch, max_len]
+    slot_index = req_to_token[req_rows, :max_len]
+    return DecodeMetadata(slot_index=slot_index, mask=valid[:, None, None, :], seq_lens=seq_lens)
+
+
 def prepare_extend(batch: ForwardBatch) -> ExtendMetadata:
     offsets: list[int] = []
     slots: list[torch.Tensor | None] = []

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from worker_svc.attention.base import MLAAttentionLayer
-from worker_svc.attention.metadata import DecodeMetadata, ExtendMetadata, prepare_metadata
+from worker_svc.attention.metadata import DecodeMetadata, ExtendMetadata, prepare_decode_fixed, prepare_metadata
 from worker_svc.config.engine_config import MLA_DECODE_MODES
 from worker_svc.forward_batch import ForwardBatch, ForwardMode
 from worker_svc.kvcache import MLAKVPool
@@ -42,6 +42,9 @@ class TorchNativeMLABackend:
 
     def prepare(self, batch: ForwardBatch) -> None:
         batch.attn_metadata = prepare_metadata(batch)
+
+    def prepare_fixed_decode(self, batch: ForwardBatch, seq_lens: torch.Tensor, max_len: int) -> None:
+        batch.attn_metadata = prepare_decode_fixed(batch.req_to_token, batch.req_rows, seq_lens, max_len)
 
     def forward_mla(
         self, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, layer: MLAAttentionLayer,

@@ -65,6 +65,12 @@ class EngineConfig:
     enable_two_batch_overlap: bool = False
     tbo_min_tokens: int = 1024
 
+    # CUDA graphs for decode (executor/cuda_graph_runner.py): on CUDA, a decode step of up to
+    # cuda_graph_max_bs requests replays a graph captured at the next padded batch size and context
+    # bucket instead of launching every kernel. None: max_running_requests. No effect on the CPU.
+    disable_cuda_graph: bool = False
+    cuda_graph_max_bs: int | None = None
+
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype {self.dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
@@ -81,5 +87,7 @@ class EngineConfig:
             raise ValueError(f"--moe-experts must be one of {', '.join(MOE_EXPERT_KERNELS)}")
         if self.tbo_min_tokens < 2:
             raise ValueError("--tbo-min-tokens must be at least 2 (a split needs two micro-batches)")
+        if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs <= 0:
+            raise ValueError("--cuda-graph-max-bs must be positive")
         if self.max_total_tokens is not None and self.max_total_tokens <= 0:
             raise ValueError("--max-total-tokens must be positive")

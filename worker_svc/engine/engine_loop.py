@@ -17,6 +17,12 @@ process group's timeout and all collectives stay on this one thread.
 ``before_step`` runs on the engine thread at the start of every step, inside the step's time (so a
 slow one counts as a slow step): the worker's ``--debug-step-delay`` test hook sleeps there.
 
+``metrics`` (llmserve/metrics.py, None with metrics off) is updated on the engine thread: the step's
+time (and its collectives, from ``collectives``, the TP group's observer) after each step, generated
+tokens per step, prompt tokens when a prompt is computed, and the latency histograms once a request
+finishes, from its own timestamps. Requests submitted with ``observe=False`` (the idle health probe)
+are left out.
+
 ``call_on_engine(fn)`` runs ``fn`` on the engine thread between steps (waking it if idle) and gives its
 result in a future; ``add_step_listener(fn)`` runs ``fn`` there after every step and every such call
 (the KV event publisher takes the step's cache events so).
@@ -32,13 +38,17 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import structlog
 
 from worker_svc.engine.engine import Engine
 from worker_svc.engine.request import Request, StepOutput
 from worker_svc.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from llmserve.metrics import WorkerMetrics
+    from worker_svc.parallel.collective_observer import StepCollectives
 
 log = structlog.get_logger(__name__)
 
@@ -92,8 +102,13 @@ class EngineLoop:
         idle_tick: Callable[[], None] | None = None,
         idle_interval_s: float = 5.0,
         before_step: Callable[[], None] | None = None,
+        metrics: WorkerMetrics | None = None,
+        collectives: StepCollectives | None = None,
     ) -> None:
         self.engine = engine
+        self._metrics = metrics
+        self._collectives = collectives if metrics is not None else None
+        self._observed: dict[str, Request] = {}  # requests in flight that the metrics follow
         self._idle_tick = idle_tick
         self._before_step = before_step
         self._idle_interval_s = idle_interval_s
@@ -115,6 +130,8 @@ class EngineLoop:
         # last completed step, whichever is later (see stalled_for).
         self._work_since = time.monotonic()
         self._load = self._snapshot()
+        if metrics is not None:
+            metrics.watch_load(self.load)
 
     # ---- lifecycle -------------------------------------------------------------------------------
 
@@ -180,8 +197,10 @@ class EngineLoop:
         """Raise RequestError (naming the field) if the engine can never serve this request."""
         self.scheduler.validate(prompt_ids, params)
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams, rid: str, sink: Sink) -> Request:
-        """Queue a request; its outputs go to ``sink`` on the engine thread.
+    def submit(self, prompt_ids: list[int], params: SamplingParams, rid: str, sink: Sink,
+               observe: bool = True) -> Request:
+        """Queue a request; its outputs go to ``sink`` on the engine thread. ``observe=False``: not in
+        the metrics (the worker's own health probe).
 
         Raises RequestError for a request the engine can never serve and EngineUnavailable when the
         loop does not take requests (stopping, stopped or failed)."""
@@ -196,6 +215,8 @@ class EngineLoop:
             if idle:
                 self._work_since = time.monotonic()
             self._sinks[rid] = sink
+            if observe and self._metrics is not None:
+                self._observed[rid] = request
             self._cv.notify()
         return request
 
@@ -297,7 +318,9 @@ class EngineLoop:
                     self._idle_tick()
                     last_activity = time.monotonic()
                     continue
-                self.step_started_at = time.monotonic()
+                started = self.step_started_at = time.monotonic()
+                if self._collectives is not None:
+                    self._collectives.take()  # keepalives and loading are no step's
                 if self._before_step is not None:
                     self._before_step()
                 outputs = self.scheduler.step()
@@ -306,6 +329,8 @@ class EngineLoop:
                 self.step_count += 1
                 if self._state is LoopState.FAILED:  # failed from another thread during the step
                     return
+                if self._metrics is not None:
+                    self._observe(outputs, started, self.last_step_end)
                 self._dispatch(outputs)
                 self._after_step()
         except BaseException as exc:  # noqa: BLE001 - any escape leaves the engine in an unknown state
@@ -357,6 +382,44 @@ class EngineLoop:
         for rid, sink, out in deliveries:
             self._deliver(rid, sink, out)
 
+    def _observe(self, outputs: list[StepOutput], started: float, now: float) -> None:
+        """Metrics of one step (engine thread): its time, its collectives, and the requests it served."""
+        metrics = self._metrics
+        assert metrics is not None
+        collectives = self._collectives
+        metrics.steps.step(now - started, collectives.take() if collectives is not None else None)
+        observed = self._observed
+        generated = 0
+        for out in outputs:
+            req = observed.get(out.rid)
+            if req is None:
+                continue
+            n = len(out.new_token_ids)
+            generated += n
+            if n and out.completion_tokens == n:  # its first token: the prompt is computed
+                metrics.prefill_done(out.prompt_tokens, out.cached_tokens)
+            if out.finished:
+                del observed[out.rid]
+                self._request_finished(metrics, req, out, now)
+        if generated:
+            metrics.requests.generation_tokens.inc(generated)
+
+    @staticmethod
+    def _request_finished(metrics: WorkerMetrics, req: Request, out: StepOutput, now: float) -> None:
+        first = req.first_token_time
+        assert out.finish_reason is not None
+        metrics.requests.finished(
+            "error" if out.error else out.finish_reason.value,
+            e2e_s=now - req.arrival_time,
+            ttft_s=first - req.arrival_time if first is not None else None,
+            first_to_last_s=now - first if first is not None else None,
+            output_tokens=out.completion_tokens,
+        )
+        if req.scheduled_time is not None:
+            metrics.queue_time.observe(req.scheduled_time - req.arrival_time)
+        if out.cached_tokens:
+            metrics.requests.cached_prompt_tokens.inc(out.cached_tokens)
+
     @staticmethod
     def _deliver(rid: str, sink: Sink, item: StepOutput | EngineUnavailable) -> None:
         try:
@@ -373,6 +436,7 @@ class EngineLoop:
             self.error = exc
             self._state = LoopState.FAILED
             failed, self._sinks = self._sinks, {}
+            self._observed.clear()
         self.scheduler.refuse_flushes(f"engine failed: {exc!r}")
         self._refuse_calls(f"engine failed: {exc!r}")
         for rid, sink in failed.items():

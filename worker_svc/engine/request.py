@@ -52,6 +52,7 @@ class Request:
     cached_prompt_tokens: int = 0
     num_retractions: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
+    scheduled_time: float | None = None  # first admission to a step (the metrics' queue time)
     first_token_time: float | None = None
 
     @property

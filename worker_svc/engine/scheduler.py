@@ -275,6 +275,7 @@ class Scheduler:
             req.num_cached = req.prefix_len = cached
             req.cache_node = node
             if req.num_retractions == 0:  # first admission: what usage reports as cached
+                req.scheduled_time = time.monotonic()
                 req.cached_prompt_tokens = min(cached, len(req.prompt_ids))
                 self.prompt_tokens_admitted += len(req.prompt_ids)
                 self.prompt_tokens_cached += req.cached_prompt_tokens

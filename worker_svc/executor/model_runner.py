@@ -17,6 +17,7 @@ from torch import nn
 from worker_svc.config.dtype import resolve_dtype
 from worker_svc.config.engine_config import EngineConfig
 from worker_svc.config.model_config import ModelConfig, load_model_config
+from worker_svc.executor.cuda_graph_runner import CudaGraphRunner, graph_plan
 from worker_svc.executor.kernel_choice import KernelPlan, apply_kernels, attention_backend, choose_kernels
 from worker_svc.executor.model_loader import load_checkpoint
 from worker_svc.executor.quantize import (
@@ -111,6 +112,7 @@ class ModelRunner:
             self._staged = self.model
         self.kv = self._build_kv_cache()
         self.attn_backend = attention_backend(self.kernels)
+        self.cuda_graphs = self._build_cuda_graphs()
 
     def _load_model(self, quant: QuantConfig, kernels: KernelPlan) -> nn.Module:
         engine_config = self.engine_config
@@ -161,6 +163,15 @@ class ModelRunner:
         )
         return kv
 
+    def _build_cuda_graphs(self) -> CudaGraphRunner | None:
+        capability = torch.cuda.get_device_capability(self.device) if self.device.type == "cuda" else None
+        plan = graph_plan(self.engine_config, self.device, self.tp, self.model,
+                          min(self.context_len, self.kv.allocator.size), capability)
+        if not plan.enabled:
+            log.info("cuda graphs off", reason=plan.reason)
+            return None
+        return CudaGraphRunner(self.model, self.kv, self.attn_backend, plan.batch_sizes, plan.context_buckets)
+
     def _record_slots(self, step: StepInput) -> None:
         table = self.kv.req_table
         writes = step.table_writes
@@ -187,16 +198,20 @@ class ModelRunner:
             assert self._staged is not None
             first, second = self._prepared(split.first), self._prepared(split.second)
             return forward_two_batch(self._staged, self.tp, first, second, split.cut_request)
+        if self.cuda_graphs is not None and (logits := self.cuda_graphs.run(step)) is not None:
+            return logits
         return self.model(self._prepared(step))
 
     def _prepared(self, step: StepInput) -> ForwardBatch:
-        """The step's ForwardBatch with its attention metadata (one per micro-batch under overlap)."""
+        """The step's ForwardBatch with its attention metadata (one per micro-batch under overlap). The
+        scheduler builds token ids, positions and rows on the host: on CUDA they move here (a no-op on the CPU)."""
+        device = self.device
         batch = ForwardBatch(
             mode=step.mode,
-            input_ids=step.input_ids,
-            positions=step.positions,
-            out_slots=step.out_slots,
-            req_rows=step.req_rows,
+            input_ids=step.input_ids.to(device),
+            positions=step.positions.to(device),
+            out_slots=step.out_slots.to(device),
+            req_rows=step.req_rows.to(device),
             seq_lens=step.seq_lens,
             prefix_lens=step.prefix_lens,
             req_to_token=self.kv.req_table.table,

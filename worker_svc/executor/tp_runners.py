@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 import torch.multiprocessing as mp
@@ -25,23 +25,41 @@ from worker_svc.parallel.context import TPContext
 from worker_svc.parallel.group import destroy_tp, init_tp, rank_device
 from worker_svc.parallel.step_broadcast import broadcast_keepalive, broadcast_step, receive_step
 
+if TYPE_CHECKING:
+    from llmserve.metrics import StepMetrics
+    from worker_svc.parallel.collective_observer import StepCollectives
+
 _T = TypeVar("_T")
 
 
 class FollowerLoop:
-    """A follower rank: receive a step, run it, repeat until the leader sends STOP."""
+    """A follower rank: receive a step, run it, repeat until the leader sends STOP.
 
-    def __init__(self, runner: StepRunner, tp: TPContext) -> None:
+    ``metrics`` (None: none) get each step's forward time and the collectives inside it, summed by
+    ``collectives`` (the observer of ``tp``); waiting for the leader's next step is neither."""
+
+    def __init__(self, runner: StepRunner, tp: TPContext, metrics: StepMetrics | None = None,
+                 collectives: StepCollectives | None = None) -> None:
         if tp.is_leader:
             raise ValueError("rank 0 is the leader, not a follower")
         self.runner = runner
         self.tp = tp
         self.steps = 0
+        self._metrics = metrics
+        self._collectives = collectives if metrics is not None else None
 
     def run(self) -> int:
         """Returns the number of steps run."""
+        metrics, collectives = self._metrics, self._collectives
         while (step := receive_step(self.tp, self.runner.device)) is not None:
-            self.runner.forward(step)
+            if metrics is None:
+                self.runner.forward(step)
+            else:
+                if collectives is not None:
+                    collectives.take()  # the receive: idle time, not the step's
+                started = time.monotonic()
+                self.runner.forward(step)
+                metrics.step(time.monotonic() - started, collectives.take() if collectives is not None else None)
             self.steps += 1
         return self.steps
 

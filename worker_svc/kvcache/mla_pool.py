@@ -21,7 +21,7 @@ class MLAKVPool:
         return num_layers * (kv_lora_rank + rope_dim) * torch.empty((), dtype=dtype).element_size()
 
     def store(self, layer_id: int, slots: torch.Tensor, latent: torch.Tensor) -> None:
-        self.latent_buffers[layer_id][slots] = latent
+        self.latent_buffers[layer_id].index_copy_(0, slots, latent.to(self.latent_buffers[layer_id].dtype))
 
     def buffer(self, layer_id: int) -> torch.Tensor:
         return self.latent_buffers[layer_id]

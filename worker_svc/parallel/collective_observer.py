@@ -151,3 +151,29 @@ class CollectiveRecorder:
             )
             for op, recs in grouped.items()
         }
+
+
+class StepCollectives:
+    """A ``CollectiveObserver`` that only sums: per op, how many collectives and how long the caller was
+    blocked in them (``blocked_ns``: under two-batch overlap the part hidden behind compute does not
+    count). ``take()`` returns the sums since the last ``take()`` and starts new ones, so a caller that
+    takes at the start and at the end of a step gets that step's collectives (the serving metrics)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._sums: dict[str, list[int]] = {}
+
+    def record(self, record: CollectiveRecord) -> None:
+        with self._lock:
+            entry = self._sums.get(record.op)
+            if entry is None:
+                self._sums[record.op] = [1, record.blocked_ns]
+            else:
+                entry[0] += 1
+                entry[1] += record.blocked_ns
+
+    def take(self) -> dict[str, tuple[int, int]]:
+        """{op: (count, blocked ns)} since the last take."""
+        with self._lock:
+            sums, self._sums = self._sums, {}
+        return {op: (count, ns) for op, (count, ns) in sums.items()}

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 import structlog
@@ -19,6 +20,9 @@ from worker_svc.engine.engine import Engine
 from worker_svc.engine.engine_loop import EngineLoop
 from worker_svc.server.health import WorkerHealth
 from worker_svc.server.servicer import SERVICE_NAME, SchedulerServicer, WorkerOptions, add_scheduler_servicer
+
+if TYPE_CHECKING:
+    from llmserve.metrics import WorkerMetrics
 
 log = structlog.get_logger(__name__)
 
@@ -39,18 +43,22 @@ class WorkerServer:
         options: WorkerOptions | None = None,
         engine_loop: EngineLoop | None = None,
         security: ServerSecurity = ServerSecurity(),
+        metrics: WorkerMetrics | None = None,
     ) -> None:
         """``engine_loop``: a prebuilt loop over ``engine`` (a tensor-parallel leader's, with its
-        keepalive tick); by default a plain ``EngineLoop(engine)``. ``security``: TLS and the
-        internal token callers must present (llmserve/security.py)."""
+        keepalive tick, built with the same ``metrics``); by default a plain ``EngineLoop(engine)``.
+        ``security``: TLS and the internal token callers must present (llmserve/security.py).
+        ``metrics``: this worker's metric set (llmserve/metrics.py), served from ``start`` to ``stop``;
+        None: no metrics."""
         self.security = security
+        self.metrics = metrics
         self.host = host
         self.requested_port = port
         self.port: int | None = None
         if options is None:
             options = WorkerOptions(served_model_name=Path(engine.config.model_path).name)
         self.options = options
-        self.loop = engine_loop if engine_loop is not None else EngineLoop(engine)
+        self.loop = engine_loop if engine_loop is not None else EngineLoop(engine, metrics=metrics)
         self.servicer = SchedulerServicer(self.loop, options)
         self.health: WorkerHealth | None = None
         self.server: grpc.aio.Server | None = None
@@ -61,14 +69,17 @@ class WorkerServer:
 
     async def start(self) -> int:
         aio_loop = asyncio.get_running_loop()
+        counting = [self.metrics.grpc.interceptor()] if self.metrics is not None else []
         self.server = grpc.aio.server(
             options=[*message_size_options(), ("grpc.so_reuseport", 0)],
-            interceptors=self.security.interceptors(self.OPEN_METHODS, realm="worker"),
+            interceptors=[*counting, *self.security.interceptors(self.OPEN_METHODS, realm="worker")],
         )
         self.health = WorkerHealth(self.servicer.liveness)
         add_scheduler_servicer(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.port = listen(self.server, self.host, self.requested_port, self.security.tls)
+        if self.metrics is not None:
+            self.metrics.serve()
         health = self.health
 
         def on_engine_failure(exc: BaseException) -> None:
@@ -97,6 +108,8 @@ class WorkerServer:
         if self.server is not None:
             await self.server.stop(grace)
         stopped = await asyncio.to_thread(self.loop.stop, True, 30.0)
+        if self.metrics is not None:
+            self.metrics.stop_serving()
         log.info("worker stopped", engine_thread_joined=stopped)
 
     async def wait_for_termination(self) -> None:

@@ -37,12 +37,13 @@ def spawn_follower_processes(
     host: str = "127.0.0.1",
     env: dict[str, str] | None = None,
     preexec_fn: Callable[[], None] | None = None,
+    metrics_port: int = 0,
 ) -> list[subprocess.Popen]:
     """Single-machine mode: start ranks 1..size-1 as ``llmserve worker`` child processes (health on an
     OS-chosen port). ``base_argv`` is the engine and logging flags every rank shares; ``secret`` goes
     through a pipe each child inherits (SECRET_FD_ENV names its fd), never argv or the environment.
     ``env``/``preexec_fn``: the launcher's (e.g. a parent-death signal, so no follower outlives this
-    process)."""
+    process). ``metrics_port`` P > 0 (the leader's own --metrics-port): rank r serves /metrics on P + r."""
     children = []
     try:
         for rank in range(1, size):
@@ -62,6 +63,7 @@ def spawn_follower_processes(
                 host,
                 "--port",
                 "0",
+                *(["--metrics-port", str(metrics_port + rank)] if metrics_port else []),
             ]
             read_end, write_end = os.pipe()
             try:

@@ -174,7 +174,7 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
         token = self.model_config.bos_token_id or 0
         params = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
         try:
-            self.loop.submit([token], params, rid, _sink(aio_loop, queue, None))
+            self.loop.submit([token], params, rid, _sink(aio_loop, queue, None), observe=False)  # not traffic
         except (EngineUnavailable, RequestError) as exc:
             return False, f"health probe not accepted: {exc}"
         deadline = aio_loop.time() + self.options.health_probe_timeout_s

@@ -15,6 +15,7 @@ import os
 import sys
 import threading
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import grpc
 import structlog
@@ -25,10 +26,14 @@ from worker_svc.config.engine_config import EngineConfig
 from worker_svc.config.tp_timeouts import TP_CONNECT_TIMEOUT_S, TP_SERVING_TIMEOUT_S
 from worker_svc.executor.model_runner import ModelRunner
 from worker_svc.executor.tp_runners import FollowerLoop, rank_config
+from worker_svc.parallel.collective_observer import StepCollectives
 from worker_svc.parallel.group import destroy_tp, init_tp, tp_barrier
 from worker_svc.parallel.heartbeat import FollowerHeartbeat
 from worker_svc.server.health import WorkerHealth
 from worker_svc.server.launch import SECRET_KEY
+
+if TYPE_CHECKING:
+    from llmserve.metrics import FollowerMetrics
 
 log = structlog.get_logger(__name__)
 
@@ -67,14 +72,17 @@ async def serve_follower(
     on_listening: Callable[[int], None] | None = None,
     secret: bytes | None = None,
     comm: str = "auto",
+    metrics: FollowerMetrics | None = None,
 ) -> int:
     """Rank ``rank`` > 0: replay the leader's steps until STOP, serving grpc.health.v1 on
     ``host:port`` (SERVING while the loop runs). Returns 0 after STOP; exits the process (code 1)
     when the leader dies or hangs. ``on_listening(port)`` runs once health is served. ``secret``:
     the group's heartbeat secret (``None``: read the one the leader published in the store).
-    ``comm``: --tp-comm (parallel/group.py)."""
-    tp = await asyncio.to_thread(
-        functools.partial(init_tp, rank, size, init_addr, config.device, timeout_s, connect_timeout_s, comm=comm))
+    ``comm``: --tp-comm (parallel/group.py). ``metrics``: this rank's metric set (steps and their
+    collectives), served while the rank serves; None: no metrics."""
+    collectives = StepCollectives() if metrics is not None else None
+    tp = await asyncio.to_thread(functools.partial(
+        init_tp, rank, size, init_addr, config.device, timeout_s, connect_timeout_s, observer=collectives, comm=comm))
     group_secret: bytes = secret if secret is not None else await asyncio.to_thread(tp.rendezvous.get, SECRET_KEY)
     heartbeat = FollowerHeartbeat(tp, timeout_s, _die, group_secret)
     runner = await asyncio.to_thread(ModelRunner, rank_config(config, rank), tp)
@@ -84,7 +92,7 @@ async def serve_follower(
     aio_loop = asyncio.get_running_loop()
     done = asyncio.Event()
     result: dict[str, object] = {}
-    follower = FollowerLoop(runner, tp)
+    follower = FollowerLoop(runner, tp, metrics.steps if metrics is not None else None, collectives)
 
     def run_loop() -> None:
         try:
@@ -100,6 +108,8 @@ async def serve_follower(
         return (thread.is_alive() and not done.is_set()), "follower loop"
 
     server, health, bound = await _start_health_server(host, port, liveness)
+    if metrics is not None:
+        metrics.serve()
     log.info("tp follower serving", tp_rank=rank, tp_size=size, tp_comm=tp.comm_kind,
              health_address=grpc_address(host, bound))
     if on_listening is not None:
@@ -120,6 +130,8 @@ async def serve_follower(
         waiter.cancel()
     heartbeat.close()
     await server.stop(0.5)
+    if metrics is not None:
+        metrics.stop_serving()
     if "error" in result:
         _die(f"follower loop failed: {result['error']!r}")
     await asyncio.to_thread(destroy_tp, tp)

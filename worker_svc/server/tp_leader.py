@@ -26,6 +26,7 @@ import asyncio
 import subprocess
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import structlog
 
@@ -39,6 +40,10 @@ from worker_svc.parallel.context import TPContext
 from worker_svc.parallel.group import destroy_tp, init_tp, tp_barrier
 from worker_svc.parallel.heartbeat import LeaderHeartbeat, new_secret
 from worker_svc.server.launch import SECRET_KEY
+
+if TYPE_CHECKING:
+    from llmserve.metrics import WorkerMetrics
+    from worker_svc.parallel.collective_observer import StepCollectives
 
 log = structlog.get_logger(__name__)
 
@@ -60,6 +65,7 @@ class TPLeader:
     children: list[subprocess.Popen] = field(default_factory=list)
     loop: EngineLoop | None = None
     fault: str | None = None
+    collectives: StepCollectives | None = None  # this rank's collectives, for the metrics
 
     @classmethod
     def start(
@@ -72,13 +78,15 @@ class TPLeader:
         children: Sequence[subprocess.Popen] = (),
         secret: bytes | None = None,
         comm: str = "auto",
+        collectives: StepCollectives | None = None,
     ) -> TPLeader:
         """Join as rank 0, load the shard, wait until every follower loaded and opened its heartbeat.
         ``children`` are follower processes this leader started (waited for at shutdown). ``secret``:
         the group's heartbeat secret; ``None`` makes one and publishes it in the rendezvous store.
-        ``comm``: --tp-comm (parallel/group.py)."""
+        ``comm``: --tp-comm (parallel/group.py). ``collectives``: observes this rank's collectives (the
+        metrics' collective time per step; None: unobserved, no cost)."""
         children = list(children)
-        tp = init_tp(0, size, init_addr, config.device, timeout_s, connect_timeout_s, comm=comm)
+        tp = init_tp(0, size, init_addr, config.device, timeout_s, connect_timeout_s, observer=collectives, comm=comm)
         holder: list[TPLeader] = []
 
         def on_fault(reason: str) -> None:
@@ -102,7 +110,8 @@ class TPLeader:
         except BaseException:
             heartbeat.close(clean=False)
             raise
-        leader = cls(tp=tp, engine=engine, runner=runner, heartbeat=heartbeat, timeout_s=timeout_s, children=children)
+        leader = cls(tp=tp, engine=engine, runner=runner, heartbeat=heartbeat, timeout_s=timeout_s, children=children,
+                     collectives=collectives)
         holder.append(leader)
         if heartbeat.fault is not None:  # a follower died between connecting and now
             leader._on_fault(heartbeat.fault)
@@ -110,13 +119,14 @@ class TPLeader:
                  children=[c.pid for c in children])
         return leader
 
-    def engine_loop(self, before_step: Callable[[], None] | None = None) -> EngineLoop:
+    def engine_loop(self, before_step: Callable[[], None] | None = None,
+                    metrics: WorkerMetrics | None = None) -> EngineLoop:
         """The leader's EngineLoop: keepalives while idle; failed when the group breaks. ``before_step``
-        is EngineLoop's (used when the loop is first built)."""
+        and ``metrics`` are EngineLoop's (used when the loop is first built)."""
         if self.loop is None:
             self.loop = EngineLoop(
                 self.engine, idle_tick=self.runner.keepalive, idle_interval_s=self.timeout_s / 3,
-                before_step=before_step,
+                before_step=before_step, metrics=metrics, collectives=self.collectives,
             )
             if self.fault is not None:
                 self.loop.fail(TPGroupFailed(self.fault))
