@@ -63,7 +63,7 @@ def unpack_int8_avx512(packed: torch.Tensor, rows: int, cols: int) -> torch.Tens
     return packed.view(groups, pairs, AVX512_OUT, 2).permute(0, 2, 1, 3).reshape(-1, 2 * pairs)[:rows, :cols]
 
 
-def pack_int4_avx512(q: torch.Tensor) -> torch.Tensor:
+def _int4_words(q: torch.Tensor) -> torch.Tensor:
     """[N, K] values 0..15 (K a multiple of 8) -> [G, K / 8, 16] int32: word j of block b holds the weight
     (16g + j, 8b + t) in bits 4t..4t+3; output rows beyond N are zero."""
     rows, cols = q.shape
@@ -73,25 +73,34 @@ def pack_int4_avx512(q: torch.Tensor) -> torch.Tensor:
     return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32).contiguous()
 
 
-def unpack_int4_avx512(packed: torch.Tensor, rows: int) -> torch.Tensor:
-    groups, blocks, _ = packed.shape
-    words = packed.to(torch.int64) & 0xFFFFFFFF
-    q = (words[..., None] >> (4 * torch.arange(8, dtype=torch.int64))) & 0xF  # [G, K/8, 16, t]
-    return q.permute(0, 2, 1, 3).reshape(groups * AVX512_OUT, blocks * 8)[:rows].to(torch.uint8)
-
-
-def pack_scale_zero_avx512(scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
-    """[N, groups] scale and zero -> [G, groups, 2, 16]: per output group and quantization group, 16 scales
-    then 16 zeros (output rows beyond N are zero)."""
-    rows, groups = scale.shape
-    padded = -(-rows // AVX512_OUT) * AVX512_OUT
+def pack_int4_avx512(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int) -> torch.Tensor:
+    """[N, K] values 0..15 with [N, K / group] scale and zero -> [G, K / group, 32 s + 8 group] uint8 (s: the
+    scales' element size): per group of 16 outputs and quantization group, the 16 scales, the 16 zeros,
+    then the group's weights as ``group / 8`` blocks of 16 words (word j of block b: output 16g + j,
+    inputs 8b .. 8b + 7 in bits 4t..4t+3). Output rows beyond N are zero; one output group is one stream."""
+    words = _int4_words(q)  # [G, K/8, 16]
+    out_groups, quant_groups = words.shape[0], scale.shape[1]
+    padded = out_groups * AVX512_OUT
     sz = torch.stack((_pad_rows(scale, padded), _pad_rows(zero, padded)))  # [2, Np, groups]
-    return sz.view(2, -1, AVX512_OUT, groups).permute(1, 3, 0, 2).contiguous()
+    sz = sz.view(2, out_groups, AVX512_OUT, quant_groups).permute(1, 3, 0, 2).contiguous()  # [G, groups, 2, 16]
+    head = sz.view(torch.uint8).reshape(out_groups, quant_groups, -1)
+    body = words.view(out_groups, quant_groups, -1).view(torch.uint8)  # [G, groups, 64 * group / 8]
+    return torch.cat((head, body), dim=-1).contiguous()
 
 
-def unpack_scale_zero_avx512(sz: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    both = sz.permute(2, 0, 3, 1).reshape(2, -1, sz.shape[1])[:, :rows]  # [2, N, groups]
-    return both[0], both[1]
+def unpack_int4_avx512(
+    packed: torch.Tensor, rows: int, group: int, scale_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``pack_int4_avx512``'s inverse: ([N, K] uint8 values, [N, K / group] scale, zero)."""
+    out_groups, quant_groups, _ = packed.shape
+    head = 2 * AVX512_OUT * torch.finfo(scale_dtype).bits // 8
+    sz = packed[..., :head].contiguous().view(scale_dtype).view(out_groups, quant_groups, 2, AVX512_OUT)
+    both = sz.permute(2, 0, 3, 1).reshape(2, -1, quant_groups)[:, :rows]  # [2, N, groups]
+    words = packed[..., head:].contiguous().view(torch.int32).view(out_groups, -1, AVX512_OUT).to(torch.int64)
+    words &= 0xFFFFFFFF
+    q = (words[..., None] >> (4 * torch.arange(8, dtype=torch.int64))) & 0xF  # [G, K/8, 16, t]
+    q = q.permute(0, 2, 1, 3).reshape(out_groups * AVX512_OUT, -1)[:rows].to(torch.uint8)
+    return q, both[0], both[1]
 
 
 def _check_isa(isa: str) -> None:
@@ -169,10 +178,10 @@ class Int8WeightOnlyKernel:
         )
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.avx512:  # one call: leading dims and the bias are handled inside
+            return self.ops.int8_weight_linear_avx512(x, self.packed, self.kernel_scale, self.out_features, bias)
         x2 = x.reshape(-1, x.shape[-1])  # [rows, in]
-        if self.avx512:
-            out = self.ops.int8_weight_linear_avx512(x2, self.packed, self.kernel_scale, self.out_features)
-        elif self.ops is not None:
+        if self.ops is not None:
             out = self.ops.int8_weight_linear(x2, self.qweight, self.kernel_scale)
         else:
             out = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.kernel_scale)
@@ -187,8 +196,8 @@ class Int4WeightOnlyKernel:
 
     - AVX2: ``pack_nibbles`` layout [out, in / 2] (in padded to a multiple of 64) with scale and zero
       [out, in / group].
-    - AVX-512: ``pack_int4_avx512`` [out / 16, in / 8, 16] int32 words with ``pack_scale_zero_avx512``
-      [out / 16, in / group, 2, 16] (out rounded up to 16 with zero rows).
+    - AVX-512: ``pack_int4_avx512``: per 16 outputs and quantization group, their scales and zeros, then
+      their nibbles in 32-bit words (out rounded up to 16 with zero rows), one uint8 tensor.
     - aten: ``_convert_weight_to_int4pack_for_cpu``'s layout, which needs a multiple of 16 output rows;
       other sizes (MLA's kv_a_proj_with_mqa is kv_lora_rank + rope, 40 in the tiny DeepSeek preset) get
       zero rows appended, sliced off the output.
@@ -223,11 +232,11 @@ class Int4WeightOnlyKernel:
         groups = in_features // group_size
         self.scale = scale.reshape(-1, groups).contiguous()  # [N, groups]
         self.zero = zero.reshape(-1, groups).contiguous()
-        if self.avx512:  # the packed copies replace the row-major ones
-            self.packed = pack_int4_avx512(qweight)
-            self.scale_zero = pack_scale_zero_avx512(self.scale, self.zero)
+        if self.avx512:  # the packed copy replaces the row-major ones
+            self.scale_dtype = dtype
+            self.packed = pack_int4_avx512(qweight, self.scale, self.zero, group_size)
             del self.scale, self.zero
-            self.nbytes = self.packed.numel() * 4 + self.scale_zero.numel() * self.scale_zero.element_size()
+            self.nbytes = self.packed.numel()
             return
         if ops is not None:
             self.packed = pack_nibbles(qweight)  # [N, K / 2]
@@ -241,10 +250,9 @@ class Int4WeightOnlyKernel:
 
     def dequantized(self) -> torch.Tensor:
         if self.avx512:
-            scale, zero = unpack_scale_zero_avx512(self.scale_zero, self.out_features)
-            qweight = unpack_int4_avx512(self.packed, self.out_features).to(torch.int32)
+            q, scale, zero = unpack_int4_avx512(self.packed, self.out_features, self.group_size, self.scale_dtype)
             return _primitives()._dequantize_affine_tinygemm(
-                qweight, self.block, scale, zero, torch.int32, 0, 15
+                q.to(torch.int32), self.block, scale, zero, torch.int32, 0, 15
             ).float()
         if self.ops is not None:
             qweight = unpack_nibbles(self.packed, self.scale.shape[1] * self.group_size).to(torch.int32)
@@ -259,12 +267,12 @@ class Int4WeightOnlyKernel:
         return w_t.t()[: self.out_features].contiguous()
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        x2 = x.reshape(-1, x.shape[-1])  # [rows, in]
-        if self.avx512:
-            out = self.ops.int4_weight_linear_avx512(
-                x2, self.packed, self.scale_zero, self.out_features, self.group_size
+        if self.avx512:  # one call: leading dims and the bias are handled inside
+            return self.ops.int4_weight_linear_avx512(
+                x, self.packed, self.out_features, self.group_size, self.scale_dtype, bias
             )
-        elif self.ops is not None:
+        x2 = x.reshape(-1, x.shape[-1])  # [rows, in]
+        if self.ops is not None:
             out = self.ops.int4_weight_linear(x2, self.packed, self.scale, self.zero, self.group_size)
         else:
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, self.group_size, self.scale_and_zero)

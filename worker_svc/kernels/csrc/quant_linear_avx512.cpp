@@ -1,31 +1,32 @@
 // Weight-only quantized linears (int8 per channel, int4 grouped asymmetric) for CPUs with AVX-512
 // (F/BW/VL/DQ), with a VDPBF16PS path for bf16 activations where the CPU has AVX512-BF16.
 //
-// Why: aten's _weight_int8pack_mm / _weight_int4pack_mm_for_cpu leave most of the memory bandwidth
+// Why: aten's _weight_int8pack_mm / _weight_int4pack_mm_for_cpu leave much of the memory bandwidth
 // unused at one row and scale poorly to a few rows, and the AVX2 kernels (quant_linear_avx2.cpp) keep
-// one weight row per vector, which costs a horizontal sum per output. Here 16 outputs share a zmm,
-// the activation is broadcast, and the weights are packed once at load for that (layouts below; the
-// packing is done in Python, kernels/quant_linear.py, which also unpacks them for the tests).
+// one weight row per vector, which costs a horizontal sum per output. Here 16 outputs share a zmm, the
+// activation is broadcast, and the weights are packed once at load for that (the packing is done in
+// Python, kernels/quant_linear.py, which also unpacks them for the tests).
 //
 // Weights stay quantized in memory and are widened in registers; accumulation is fp32:
 //   int8:  packed int8 [G, Kp/2, 16, 2]: per group of 16 outputs, per pair of inputs, 16 outputs x 2
 //          inputs (n0k0 n0k1 n1k0 ...; Kp = K rounded up to even, N padded to 16 G with zero rows).
 //          fp32 path: 16 int8 -> 16 fp32 (8 outputs x 2 inputs) times the broadcast input pair, the
-//          pair's halves added at the end; bf16 path: 32 int8 -> 32 bf16 (exact) -> one VDPBF16PS.
-//          The channel scale (fp32 [16 G]) multiplies the sum at the end.
-//   int4:  packed [G, K/8, 16] 32-bit words: word j of block b holds q[16g + j, 8b + t] in bits
-//          4t..4t+3. fp32 path: the nibble t of every word indexes a 16-entry table of (q - 8) (one
-//          VPERMPS after a shift), FMA with broadcast x[8b + t]. bf16 path: a word-wise shift puts
-//          nibbles t and 4 + t at the bottom of the two halves of each word, VPERMW looks up (q - 8) as
-//          bf16 (exact), one VDPBF16PS takes the pair (x[8b + t], x[8b + 4 + t]).
-//          Per quantization group: total += s * (x . (q - 8)) + z * sum(x over the group), with scale
-//          and zero [G, K / group, 2, 16] in the model dtype (s then z of 16 outputs: one cache line
-//          for bf16).
+//          pair's halves added at the end. bf16 path (from kI8Bf16MinRows rows): per tile, the weights
+//          widened once to bf16 (exact) into a panel that every block of rows reads with VDPBF16PS. The
+//          channel scale (fp32 [16 G]) multiplies the sum at the end.
+//   int4:  per group of 16 outputs and quantization group, a record (Int4Args): the 16 scales and 16
+//          zeros in the model dtype, then per 8 inputs one 32-bit word per output holding q[n, 8b + t] in
+//          bits 4t..4t+3 -- one sequential stream per output group. fp32 path: nibble t of every word
+//          indexes a 16-entry table of (q - 8) (a shift and a VPERMPS), FMA with broadcast x[8b + t].
+//          bf16 path: a word-wise shift puts nibbles t and 4 + t at the bottom of the two halves of each
+//          word, VPERMW looks up (q - 8) as bf16 (exact), one VDPBF16PS takes (x[8b + t], x[8b + 4 + t]).
+//          Per quantization group: total += s * (x . (q - 8)) + z * sum(x over the group).
+//   A bias (any float dtype) is added in fp32 before the one rounding to the output dtype.
 //
-// Tiles: MR rows x NV groups of 16 outputs in registers; threads (at::parallel_for) split the output
-// groups; rows are taken in chunks that keep their activations in L2 while the tile's weights are
-// reused across the chunk's row blocks. Every function using AVX-512 carries its own target attribute,
-// so the library still builds with the AVX2 base flags and the ops check the CPU before running.
+// Tiles: MR rows x NV groups of 16 outputs in fp32 registers; threads (at::parallel_for) split the
+// output groups, so each thread streams a contiguous range of the packed weights. Every function using
+// AVX-512 carries its own target attribute, so the library still builds with the AVX2 base flags, and
+// the ops check the CPU before running.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -43,15 +44,12 @@ namespace {
 #define LLMSERVE_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
 
 constexpr int64_t kOut = 16;      // outputs per group: one zmm of fp32 sums
-#ifndef LLMSERVE_Q512_PREFETCH
-#define LLMSERVE_Q512_PREFETCH 0
-#endif
-// Software prefetch distance in bytes along each weight stream (0: the hardware prefetcher alone).
-constexpr int64_t kPrefetchBytes = LLMSERVE_Q512_PREFETCH;
 
-inline void prefetch_ahead(const void* p) {
-  if constexpr (kPrefetchBytes > 0) _mm_prefetch(static_cast<const char*>(p) + kPrefetchBytes, _MM_HINT_T0);
-}
+// Software prefetch this far ahead along each weight stream: 5-10% more bandwidth at one row than the
+// hardware prefetchers alone here (256-2048 bytes measured alike).
+constexpr int64_t kPrefetchBytes = 512;
+
+inline void prefetch_ahead(const void* p) { _mm_prefetch(static_cast<const char*>(p) + kPrefetchBytes, _MM_HINT_T0); }
 
 bool cpu_has_avx512() {
   static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
@@ -147,10 +145,26 @@ LLMSERVE_AVX512_BF16 inline __m512 dot_bf16(__m512 acc, __m512i w, __m512i x) {
   return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh&>(w), reinterpret_cast<__m512bh&>(x));
 }
 
-// Where a tile writes: out [rows, ldo] in `kind`, outputs n0 .. n0 + valid - 1.
+// Where a tile writes: out [rows, ldo] in `kind`, plus bias [ldo] in bias_kind when bias is not null.
 struct OutView {
-  void* out; int64_t ldo; Kind kind;
+  void* out; int64_t ldo; Kind kind; const void* bias; Kind bias_kind;
 };
+
+LLMSERVE_AVX512 inline __m512 load16_masked(const void* p, int64_t index, Kind kind, __mmask16 mask) {
+  switch (kind) {
+    case Kind::f32: return _mm512_maskz_loadu_ps(mask, static_cast<const float*>(p) + index);
+    case Kind::bf16:
+      return _mm512_castsi512_ps(_mm512_slli_epi32(
+          _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, static_cast<const uint16_t*>(p) + index)), 16));
+    default: return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, static_cast<const uint16_t*>(p) + index));
+  }
+}
+
+// out[row, col .. col + 15] = v (+ bias[col ..]) for the lanes in mask, rounded once to the output dtype.
+LLMSERVE_AVX512 inline void store_out(const OutView& o, int64_t row, int64_t col, __m512 v, __mmask16 mask) {
+  if (o.bias != nullptr) v = _mm512_add_ps(v, load16_masked(o.bias, col, o.bias_kind, mask));
+  store16(o.out, row * o.ldo + col, v, o.kind, mask);
+}
 
 // ---- int8 ----------------------------------------------------------------------------------------
 
@@ -196,8 +210,7 @@ LLMSERVE_AVX512 void i8_tile_f32(const float* x, int64_t ldx, const int8_t* w, i
   for (int v = 0; v < NV && v * kOut < valid; ++v) {
     const __m512 s = _mm512_loadu_ps(scale + v * kOut);
     for (int m = 0; m < MR; ++m)
-      store16(o.out, (row + m) * o.ldo + n0 + v * kOut, _mm512_mul_ps(fold_pairs(lo[m][v], hi[m][v]), s), o.kind,
-              mask_for(valid - v * kOut));
+      store_out(o, row + m, n0 + v * kOut, _mm512_mul_ps(fold_pairs(lo[m][v], hi[m][v]), s), mask_for(valid - v * kOut));
   }
 }
 
@@ -237,7 +250,7 @@ LLMSERVE_AVX512_BF16 void i8_panel_tile(const uint32_t* x, int64_t ldx, const ui
   for (int v = 0; v < NV && v * kOut < valid; ++v) {
     const __m512 s = _mm512_loadu_ps(scale + v * kOut);
     for (int m = 0; m < MR; ++m)
-      store16(o.out, (row + m) * o.ldo + n0 + v * kOut, _mm512_mul_ps(acc[m][v], s), o.kind, mask_for(valid - v * kOut));
+      store_out(o, row + m, n0 + v * kOut, _mm512_mul_ps(acc[m][v], s), mask_for(valid - v * kOut));
   }
 }
 
@@ -258,22 +271,30 @@ LLMSERVE_AVX512 inline void fold_group(__m512& total, __m512& acc, __m512 s, __m
   acc = _mm512_setzero_ps();
 }
 
+// Packed int4 weights: per output group, per quantization group q, a record of qstride bytes: its 16
+// scales and 16 zeros (sz_head = 32 elements of the scale dtype), then blocks_per_group blocks of 16
+// words. One output group is one sequential stream.
 struct Int4Args {
-  const uint32_t* w;   // the tile's first output group, block 0
-  int64_t gstride;     // words per output group: 16 * K / 8
-  const uint8_t* sz;   // the tile's first output group's scales, quantization group 0
-  int64_t sz_gstride;  // bytes per output group of scales
+  const uint8_t* w;    // the tile's first output group
+  int64_t gstride;     // bytes per output group: groups * qstride
+  int64_t qstride;     // bytes per quantization group record
+  int64_t sz_head;     // bytes of its scales and zeros
   Kind sz_kind;
-  int64_t sz_bytes;    // bytes of one element of scale / zero
+  int64_t sz_bytes;    // bytes of one scale / zero
   const float* xsum;   // [rows, ldxs]: per row and quantization group, sum of x
   int64_t ldxs;
   int64_t groups, blocks_per_group;
+
+  const uint8_t* record(int v, int64_t q) const { return w + v * gstride + q * qstride; }
+  const uint32_t* block(int v, int64_t q, int64_t bb) const {
+    return reinterpret_cast<const uint32_t*>(record(v, q) + sz_head) + bb * kOut;
+  }
 };
 
 template <int MR, int NV>
 LLMSERVE_AVX512 inline void i4_fold(const Int4Args& a, int64_t q, __m512 (&total)[MR][NV], __m512 (&acc)[MR][NV]) {
   for (int v = 0; v < NV; ++v) {
-    const uint8_t* sz = a.sz + v * a.sz_gstride + q * 2 * kOut * a.sz_bytes;
+    const uint8_t* sz = a.record(v, q);
     const __m512 s = load16(sz, a.sz_kind), z = load16(sz + kOut * a.sz_bytes, a.sz_kind);
     for (int m = 0; m < MR; ++m) fold_group(total[m][v], acc[m][v], s, z, a.xsum[m * a.ldxs + q]);
   }
@@ -283,7 +304,7 @@ template <int MR, int NV>
 LLMSERVE_AVX512 inline void i4_store(__m512 (&total)[MR][NV], OutView o, int64_t row, int64_t n0, int64_t valid) {
   for (int v = 0; v < NV && v * kOut < valid; ++v)
     for (int m = 0; m < MR; ++m)
-      store16(o.out, (row + m) * o.ldo + n0 + v * kOut, total[m][v], o.kind, mask_for(valid - v * kOut));
+      store_out(o, row + m, n0 + v * kOut, total[m][v], mask_for(valid - v * kOut));
 }
 
 // x fp32 [MR, ldx].
@@ -295,10 +316,12 @@ LLMSERVE_AVX512 void i4_tile_f32(const float* x, int64_t ldx, Int4Args a, OutVie
   for (int m = 0; m < MR; ++m)
     for (int v = 0; v < NV; ++v) total[m][v] = acc[m][v] = _mm512_setzero_ps();
   for (int64_t q = 0; q < a.groups; ++q) {
-    for (int64_t b = q * a.blocks_per_group; b < (q + 1) * a.blocks_per_group; ++b) {
+    for (int64_t bb = 0; bb < a.blocks_per_group; ++bb) {
+      const int64_t b = q * a.blocks_per_group + bb;
       for (int v = 0; v < NV; ++v) {
-        prefetch_ahead(a.w + v * a.gstride + b * kOut);
-        __m512i words = _mm512_loadu_si512(a.w + v * a.gstride + b * kOut);
+        const uint32_t* wp = a.block(v, q, bb);
+        prefetch_ahead(wp);
+        __m512i words = _mm512_loadu_si512(wp);
 #pragma GCC unroll 8
         for (int t = 0; t < 8; ++t) {
           const __m512 wv = _mm512_permutexvar_ps(words, table);  // low 4 bits of each word: nibble t
@@ -322,10 +345,12 @@ LLMSERVE_AVX512_BF16 void i4_tile_bf16(const uint32_t* x, int64_t ldx, Int4Args 
   for (int m = 0; m < MR; ++m)
     for (int v = 0; v < NV; ++v) total[m][v] = acc[m][v] = _mm512_setzero_ps();
   for (int64_t q = 0; q < a.groups; ++q) {
-    for (int64_t b = q * a.blocks_per_group; b < (q + 1) * a.blocks_per_group; ++b) {
+    for (int64_t bb = 0; bb < a.blocks_per_group; ++bb) {
+      const int64_t b = q * a.blocks_per_group + bb;
       for (int v = 0; v < NV; ++v) {
-        prefetch_ahead(a.w + v * a.gstride + b * kOut);
-        __m512i words = _mm512_loadu_si512(a.w + v * a.gstride + b * kOut);
+        const uint32_t* wp = a.block(v, q, bb);
+        prefetch_ahead(wp);
+        __m512i words = _mm512_loadu_si512(wp);
 #pragma GCC unroll 4
         for (int t = 0; t < 4; ++t) {
           const __m512i wv = _mm512_permutexvar_epi16(words, table);  // (q[8b + t] - 8, q[8b + 4 + t] - 8)
@@ -340,36 +365,6 @@ LLMSERVE_AVX512_BF16 void i4_tile_bf16(const uint32_t* x, int64_t ldx, Int4Args 
   i4_store<MR, NV>(total, o, row, n0, valid);
 }
 
-// Several rows, bf16 activations: the tile's (q - 8) as bf16 pairs in the order of the x pairs
-// (word 4b + t: inputs 8b + t, 8b + 4 + t), [NV][K / 2][32], built once and read by every row block.
-LLMSERVE_AVX512_BF16 void i4_build_panel(const uint32_t* w, int64_t gstride, int64_t blocks, int nv, uint16_t* panel) {
-  const __m512i table = _mm512_load_si512(kI4Bf16Table);
-  for (int v = 0; v < nv; ++v)
-    for (int64_t b = 0; b < blocks; ++b) {
-      __m512i words = _mm512_loadu_si512(w + v * gstride + b * kOut);
-      uint16_t* dst = panel + (v * blocks + b) * 4 * 2 * kOut;
-#pragma GCC unroll 4
-      for (int t = 0; t < 4; ++t) {
-        _mm512_storeu_si512(dst + t * 2 * kOut, _mm512_permutexvar_epi16(words, table));
-        words = _mm512_srli_epi16(words, 4);
-      }
-    }
-}
-
-template <int MR, int NV>
-LLMSERVE_AVX512_BF16 void i4_panel_tile(const uint32_t* x, int64_t ldx, const uint16_t* panel, Int4Args a, OutView o,
-                                        int64_t row, int64_t n0, int64_t valid) {
-  __m512 total[MR][NV], acc[MR][NV];
-  for (int m = 0; m < MR; ++m)
-    for (int v = 0; v < NV; ++v) total[m][v] = acc[m][v] = _mm512_setzero_ps();
-  const int64_t group_pairs = a.blocks_per_group * 4, pstride = a.groups * group_pairs * 2 * kOut;
-  for (int64_t q = 0; q < a.groups; ++q) {
-    panel_dot<MR, NV>(x, ldx, panel, pstride, q * group_pairs, (q + 1) * group_pairs, acc);
-    i4_fold<MR, NV>(a, q, total, acc);
-  }
-  i4_store<MR, NV>(total, o, row, n0, valid);
-}
-
 // ---- tile selection and threading ----------------------------------------------------------------
 
 // Register blocks (rows x output groups): one row streams the weights (more output groups in flight);
@@ -378,9 +373,8 @@ struct Blocking {
   int mr, nv;
 };
 constexpr Blocking kOneRow{1, 4};
-constexpr Blocking kDirect{4, 2};  // fp32 paths, and int4's bf16 path up to kI4DirectMaxRows rows
-constexpr Blocking kPanelI8{6, 4};
-constexpr Blocking kPanelI4{6, 2};  // two sets of accumulators: per quantization group and total
+constexpr Blocking kDirect{4, 2};  // weights widened in registers (int4: per-group and total accumulators)
+constexpr Blocking kPanelI8{4, 4};
 
 // Tile<MR, NV>::run(args...) for the runtime mr <= MR, nv <= NV.
 template <template <int, int> class Tile, int MR, int NV>
@@ -432,62 +426,100 @@ template <int MR, int NV>
 struct I4Bf16 {
   template <typename... A> static void run(const A&... a) { i4_tile_bf16<MR, NV>(a...); }
 };
-template <int MR, int NV>
-struct I4Panel {
-  template <typename... A> static void run(const A&... a) { i4_panel_tile<MR, NV>(a...); }
-};
 
 // mode: 0 = the faster path for these inputs, 1 = fp32 path, 2 = bf16 path (bf16 x, AVX512-BF16).
-bool use_bf16_path(const at::Tensor& x, int64_t mode, int64_t min_rows, const char* op) {
+bool use_bf16_path(const at::Tensor& x, int64_t rows, int64_t mode, int64_t min_rows, const char* op) {
   TORCH_CHECK(mode >= 0 && mode <= 2, op, ": mode must be 0 (auto), 1 (fp32) or 2 (bf16)");
   if (mode == 2) {
     TORCH_CHECK(cpu_has_avx512_bf16(), op, ": the bf16 path needs AVX512-BF16");
     TORCH_CHECK(x.scalar_type() == at::kBFloat16, op, ": the bf16 path needs bfloat16 activations");
     return true;
   }
-  return mode == 0 && cpu_has_avx512_bf16() && x.scalar_type() == at::kBFloat16 && x.size(0) >= min_rows;
+  return mode == 0 && cpu_has_avx512_bf16() && x.scalar_type() == at::kBFloat16 && rows >= min_rows;
 }
 
-void check_common(const at::Tensor& x, const at::Tensor& packed, const char* op) {
+// The activations as [rows, K] (any leading dims), the output [..., n] and its view for the tiles.
+struct Call {
+  at::Tensor x;    // [rows, K], contiguous
+  at::Tensor out;  // [..., n]
+  int64_t rows, K;
+  OutView o;
+};
+
+Call begin_call(const at::Tensor& x, const at::Tensor& packed, int64_t n, const c10::optional<at::Tensor>& bias,
+                const char* op) {
   TORCH_CHECK(cpu_has_avx512(), op, ": this CPU lacks AVX-512 (F, BW, VL, DQ)");
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), op, ": tensors must be on the CPU");
-  TORCH_CHECK(x.dim() == 2, op, ": x must be [rows, in_features]");
+  TORCH_CHECK(x.dim() >= 1, op, ": x must be [..., in_features]");
   TORCH_CHECK(packed.is_contiguous(), op, ": the packed weight must be contiguous");
-  kind_of(x.scalar_type(), op);
+  TORCH_CHECK(n >= 0, op, ": n must be the number of output features");
+  const Kind kind = kind_of(x.scalar_type(), op);
+  Call c;
+  c.K = x.size(-1);
+  c.x = x.reshape({-1, c.K}).contiguous();
+  c.rows = c.x.size(0);
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = n;
+  c.out = at::empty(shape, x.options());
+  c.o = OutView{c.out.data_ptr(), n, kind, nullptr, Kind::f32};
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->numel() == n && bias->is_contiguous() && bias->device().is_cpu(), op,
+                ": bias must be a contiguous [", n, "] CPU tensor");
+    c.o.bias = bias->data_ptr();
+    c.o.bias_kind = kind_of(bias->scalar_type(), op);
+  }
+  return c;
 }
 
-// From this many rows bf16 activations take the int8 panel path: at one row widening to bf16 and
-// storing the panel costs more than the fp32 path's FMAs save.
-constexpr int64_t kI8Bf16MinRows = 2;
-// Up to this many rows int4's bf16 path widens the nibbles in registers for each row block (one block);
-// beyond, a panel saves re-widening them per block.
-constexpr int64_t kI4DirectMaxRows = kDirect.mr;
+// Scratch for the per-call activation copies: reused across calls on this thread while small, so a
+// decode step's many small linears do not each allocate.
+float* scratch(int64_t floats, at::Tensor& holder) {
+  constexpr int64_t kKeep = int64_t(1) << 18;  // 1 MiB
+  static thread_local std::vector<float> kept;
+  if (floats <= kKeep) {
+    if (static_cast<int64_t>(kept.size()) < floats) kept.resize(kKeep);
+    return kept.data();
+  }
+  holder = at::empty({floats}, at::TensorOptions().dtype(at::kFloat));
+  return holder.data_ptr<float>();
+}
 
-// x [M, K] -> [M, N]; packed int8 [G, Kp / 2, 32]; scale fp32 [16 G].
-at::Tensor int8_weight_linear_avx512(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale, int64_t n,
-                                     int64_t mode) {
+// From this many rows bf16 activations take the int8 panel path: below, widening to bf16 and storing
+// the panel costs as much as the fp32 path's extra FMAs (measured equal at 2 and 4 rows, fp32 ahead at 3,
+// the panel ahead from 5). int4 needs no panel: its nibbles widen in two instructions per 32 weights,
+// and re-widening them per block of 4 rows measured faster than a panel at every row count.
+constexpr int64_t kI8Bf16MinRows = 5;
+
+// x [..., K] -> [..., n]; packed int8 [G, Kp / 2, 32]; scale fp32 [16 G]; bias [n] or None.
+at::Tensor int8_weight_linear_avx512(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& scale,
+                                     int64_t n, const c10::optional<at::Tensor>& bias, int64_t mode) {
   const char* op = "int8_weight_linear_avx512";
-  check_common(x, packed, op);
-  const int64_t M = x.size(0), K = x.size(1), Kp = (K + 1) / 2 * 2, G = (n + kOut - 1) / kOut;
+  Call c = begin_call(x_in, packed, n, bias, op);
+  const int64_t M = c.rows, K = c.K, Kp = (K + 1) / 2 * 2, G = (n + kOut - 1) / kOut;
   TORCH_CHECK(packed.scalar_type() == at::kChar && packed.dim() == 3 && packed.size(0) == G &&
                   packed.size(1) * 2 == Kp && packed.size(2) == kI8PairBytes,
               op, ": packed must be int8 [", G, ", ", Kp / 2, ", 32] for ", n, " outputs and ", K, " features");
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == G * kOut, op,
               ": scale must be contiguous float32 [", G * kOut, "] (padded to whole groups of 16)");
-  auto out = at::empty({M, n}, x.options());
-  if (M == 0 || n == 0) return out;
-  const OutView o{out.data_ptr(), n, kind_of(out.scalar_type(), op)};
+  const bool bf16_path = use_bf16_path(c.x, M, mode, kI8Bf16MinRows, op);
+  if (M == 0 || n == 0) return c.out;
+  const OutView o = c.o;
   const int8_t* w = packed.data_ptr<int8_t>();
   const float* sp = scale.data_ptr<float>();
   const int64_t gstride = Kp / 2 * kI8PairBytes, pairs = Kp / 2;
-  const at::Tensor xc = x.contiguous();
-  if (use_bf16_path(x, mode, kI8Bf16MinRows, op)) {
-    at::Tensor xb = xc;
+  const Kind x_kind = kind_of(c.x.scalar_type(), op);
+  const char* xsrc = static_cast<const char*>(c.x.data_ptr());
+  at::Tensor holder;
+  if (bf16_path) {
+    const uint32_t* xp = reinterpret_cast<const uint32_t*>(xsrc);
     if (Kp != K) {  // one zero input appended to each row
-      xb = at::zeros({M, Kp}, x.options());
-      for (int64_t m = 0; m < M; ++m) std::memcpy(xb.data_ptr<at::BFloat16>() + m * Kp, xc.data_ptr<at::BFloat16>() + m * K, 2 * K);
+      uint16_t* padded = reinterpret_cast<uint16_t*>(scratch(M * Kp / 2, holder));
+      for (int64_t m = 0; m < M; ++m) {
+        std::memcpy(padded + m * Kp, xsrc + m * K * 2, 2 * K);
+        padded[m * Kp + K] = 0;
+      }
+      xp = reinterpret_cast<const uint32_t*>(padded);
     }
-    const uint32_t* xp = reinterpret_cast<const uint32_t*>(xb.data_ptr());
     for_tiles(
         M, G, K, kPanelI8, pairs * 2 * kOut,
         [&](int64_t g, int nv, uint16_t* panel) { i8_build_panel(w + g * gstride, gstride, pairs, nv, panel); },
@@ -495,60 +527,58 @@ at::Tensor int8_weight_linear_avx512(const at::Tensor& x, const at::Tensor& pack
           Pick<I8Panel, kPanelI8.mr, kPanelI8.nv>::run(mr, nv, xp + r * pairs, pairs, panel, pairs, sp + g * kOut, o, r,
                                                      g * kOut, n - g * kOut);
         });
-  } else {
-    at::Tensor x32 = xc;
-    if (Kp != K || xc.scalar_type() != at::kFloat) {
-      x32 = at::empty({M, Kp}, x.options().dtype(at::kFloat));
-      const Kind kind = kind_of(xc.scalar_type(), op);
-      for (int64_t m = 0; m < M; ++m)
-        row_to_f32(static_cast<const char*>(xc.data_ptr()) + m * K * xc.element_size(), kind, K, Kp, x32.data_ptr<float>() + m * Kp);
-    }
-    const float* xp = x32.data_ptr<float>();
-    for_tiles(M, G, K, M == 1 ? kOneRow : kDirect, 0, kNoPrepare, [&](int mr, int nv, int64_t r, int64_t g, const uint16_t*) {
-      if (M == 1)
-        Pick<I8F32, kOneRow.mr, kOneRow.nv>::run(mr, nv, xp + r * Kp, Kp, w + g * gstride, gstride, pairs, sp + g * kOut,
-                                                o, r, g * kOut, n - g * kOut);
-      else
-        Pick<I8F32, kDirect.mr, kDirect.nv>::run(mr, nv, xp + r * Kp, Kp, w + g * gstride, gstride, pairs, sp + g * kOut,
-                                                o, r, g * kOut, n - g * kOut);
-    });
+    return c.out;
   }
-  return out;
+  const float* xp = reinterpret_cast<const float*>(xsrc);
+  if (Kp != K || x_kind != Kind::f32) {
+    float* x32 = scratch(M * Kp, holder);
+    for (int64_t m = 0; m < M; ++m) row_to_f32(xsrc + m * K * c.x.element_size(), x_kind, K, Kp, x32 + m * Kp);
+    xp = x32;
+  }
+  for_tiles(M, G, K, M == 1 ? kOneRow : kDirect, 0, kNoPrepare, [&](int mr, int nv, int64_t r, int64_t g, const uint16_t*) {
+    if (M == 1)
+      Pick<I8F32, kOneRow.mr, kOneRow.nv>::run(mr, nv, xp + r * Kp, Kp, w + g * gstride, gstride, pairs, sp + g * kOut,
+                                              o, r, g * kOut, n - g * kOut);
+    else
+      Pick<I8F32, kDirect.mr, kDirect.nv>::run(mr, nv, xp + r * Kp, Kp, w + g * gstride, gstride, pairs, sp + g * kOut,
+                                              o, r, g * kOut, n - g * kOut);
+  });
+  return c.out;
 }
 
-// x [M, K] -> [M, N]; packed int32 [G, K / 8, 16]; scale_zero [G, K / group, 2, 16] (f32, bf16 or f16).
-at::Tensor int4_weight_linear_avx512(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale_zero,
-                                     int64_t n, int64_t group, int64_t mode) {
+// x [..., K] -> [..., n]; packed uint8 [G, K / group, 32 s + 8 group] (records as in Int4Args, s: the
+// size of scale_dtype: float32, bfloat16 or float16); bias [n] or None.
+at::Tensor int4_weight_linear_avx512(const at::Tensor& x_in, const at::Tensor& packed, int64_t n, int64_t group,
+                                     at::ScalarType scale_dtype, const c10::optional<at::Tensor>& bias, int64_t mode) {
   const char* op = "int4_weight_linear_avx512";
-  check_common(x, packed, op);
-  const int64_t M = x.size(0), K = x.size(1), G = (n + kOut - 1) / kOut;
+  Call c = begin_call(x_in, packed, n, bias, op);
+  const int64_t M = c.rows, K = c.K, G = (n + kOut - 1) / kOut;
   TORCH_CHECK(group > 0 && group % kI4Block == 0 && K % group == 0, op, ": group ", group,
               " must be a multiple of 8 dividing in_features ", K);
   const int64_t groups = K / group;
-  TORCH_CHECK(packed.scalar_type() == at::kInt && packed.dim() == 3 && packed.size(0) == G &&
-                  packed.size(1) * kI4Block == K && packed.size(2) == kOut,
-              op, ": packed must be int32 [", G, ", ", K / kI4Block, ", 16] for ", n, " outputs and ", K, " features");
-  TORCH_CHECK(scale_zero.is_contiguous() && scale_zero.dim() == 4 && scale_zero.size(0) == G &&
-                  scale_zero.size(1) == groups && scale_zero.size(2) == 2 && scale_zero.size(3) == kOut,
-              op, ": scale_zero must be contiguous [", G, ", ", groups, ", 2, 16]");
-  auto out = at::empty({M, n}, x.options());
-  if (M == 0 || n == 0) return out;
-  const OutView o{out.data_ptr(), n, kind_of(out.scalar_type(), op)};
-  const at::Tensor xc = x.contiguous();
-  const Kind x_kind = kind_of(xc.scalar_type(), op);
-  const bool bf16_path = use_bf16_path(x, mode, 1, op);
-  // One scratch buffer: per row the sums of x per quantization group, then the fp32 path's fp32 copy
-  // of x (unless x is fp32 already) or the bf16 path's pairs of x.
+  const Kind sz_kind = kind_of(scale_dtype, op);
+  const int64_t sz_bytes = sz_kind == Kind::f32 ? 4 : 2, sz_head = 2 * kOut * sz_bytes;
+  const int64_t qstride = sz_head + group / kI4Block * kOut * 4;
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.size(0) == G &&
+                  packed.size(1) == groups && packed.size(2) == qstride,
+              op, ": packed must be uint8 [", G, ", ", groups, ", ", qstride, "] for ", n, " outputs, ", K,
+              " features, group ", group, " and ", scale_dtype, " scales");
+  const bool bf16_path = use_bf16_path(c.x, M, mode, 1, op);
+  if (M == 0 || n == 0) return c.out;
+  const OutView o = c.o;
+  const Kind x_kind = kind_of(c.x.scalar_type(), op);
+  // Scratch: per row the sums of x per quantization group, then the fp32 path's fp32 copy of x (unless x
+  // is fp32 already) or the bf16 path's pairs of x; then one fp32 row for the bf16 path's sums.
   const bool need_x32 = !bf16_path && x_kind != Kind::f32;
   const int64_t row_words = groups + (bf16_path ? K / 2 : need_x32 ? K : 0);
-  at::Tensor scratch = at::empty({M, row_words}, x.options().dtype(at::kFloat));
-  float* xsum = scratch.data_ptr<float>();
-  const int64_t esize = xc.element_size();
-  std::vector<float> row32(bf16_path || need_x32 ? K : 0);
+  at::Tensor holder;
+  float* xsum = scratch(M * row_words + (bf16_path ? K : 0), holder);
+  float* row32 = xsum + M * row_words;
+  const int64_t esize = c.x.element_size();
   for (int64_t m = 0; m < M; ++m) {
-    const char* src = static_cast<const char*>(xc.data_ptr()) + m * K * esize;
+    const char* src = static_cast<const char*>(c.x.data_ptr()) + m * K * esize;
     float* dst = xsum + m * row_words + groups;
-    const float* x32 = need_x32 ? dst : bf16_path ? row32.data() : reinterpret_cast<const float*>(src);
+    const float* x32 = need_x32 ? dst : bf16_path ? row32 : reinterpret_cast<const float*>(src);
     if (need_x32 || bf16_path) row_to_f32(src, x_kind, K, K, const_cast<float*>(x32));
     group_sums(x32, groups, group, xsum + m * row_words);
     if (bf16_path) {  // word 4b + t = (x[8b + t], x[8b + 4 + t])
@@ -560,34 +590,15 @@ at::Tensor int4_weight_linear_avx512(const at::Tensor& x, const at::Tensor& pack
       }
     }
   }
-  Int4Args a{reinterpret_cast<const uint32_t*>(packed.data_ptr()),
-             K / kI4Block * kOut,
-             static_cast<const uint8_t*>(scale_zero.data_ptr()),
-             groups * 2 * kOut * static_cast<int64_t>(scale_zero.element_size()),
-             kind_of(scale_zero.scalar_type(), op),
-             static_cast<int64_t>(scale_zero.element_size()),
-             xsum,
-             row_words,
-             groups,
-             group / kI4Block};
+  const Int4Args a{packed.data_ptr<uint8_t>(), groups * qstride, qstride, sz_head, sz_kind, sz_bytes, xsum, row_words,
+                   groups, group / kI4Block};
   auto at_tile = [&](int64_t r, int64_t g) {
     Int4Args t = a;
     t.w += g * a.gstride;
-    t.sz += g * a.sz_gstride;
     t.xsum += r * row_words;
     return t;
   };
-  const int64_t blocks = K / kI4Block;
-  if (bf16_path && M > kI4DirectMaxRows) {
-    const uint32_t* xp = reinterpret_cast<const uint32_t*>(xsum + groups);
-    for_tiles(
-        M, G, K, kPanelI4, K * kOut,
-        [&](int64_t g, int nv, uint16_t* panel) { i4_build_panel(a.w + g * a.gstride, a.gstride, blocks, nv, panel); },
-        [&](int mr, int nv, int64_t r, int64_t g, const uint16_t* panel) {
-          Pick<I4Panel, kPanelI4.mr, kPanelI4.nv>::run(mr, nv, xp + r * row_words, row_words, panel, at_tile(r, g), o, r,
-                                                     g * kOut, n - g * kOut);
-        });
-  } else if (bf16_path) {
+  if (bf16_path) {
     const uint32_t* xp = reinterpret_cast<const uint32_t*>(xsum + groups);
     const Blocking blk = M == 1 ? kOneRow : kDirect;
     for_tiles(M, G, K, blk, 0, kNoPrepare, [&](int mr, int nv, int64_t r, int64_t g, const uint16_t*) {
@@ -599,7 +610,7 @@ at::Tensor int4_weight_linear_avx512(const at::Tensor& x, const at::Tensor& pack
                                                  n - g * kOut);
     });
   } else {
-    const float* xp = need_x32 ? xsum + groups : xc.data_ptr<float>();
+    const float* xp = need_x32 ? xsum + groups : c.x.data_ptr<float>();
     const int64_t ldx = need_x32 ? row_words : K;
     const Blocking blk = M == 1 ? kOneRow : kDirect;
     for_tiles(M, G, K, blk, 0, kNoPrepare, [&](int mr, int nv, int64_t r, int64_t g, const uint16_t*) {
@@ -609,7 +620,7 @@ at::Tensor int4_weight_linear_avx512(const at::Tensor& x, const at::Tensor& pack
         Pick<I4F32, kDirect.mr, kDirect.nv>::run(mr, nv, xp + r * ldx, ldx, at_tile(r, g), o, r, g * kOut, n - g * kOut);
     });
   }
-  return out;
+  return c.out;
 }
 
 bool quant_avx512_available() { return cpu_has_avx512(); }
@@ -620,8 +631,9 @@ bool quant_avx512_bf16_available() { return cpu_has_avx512_bf16(); }
 TORCH_LIBRARY_FRAGMENT(llmserve_cpu, m) {
   m.def("quant_avx512_available() -> bool", &quant_avx512_available);
   m.def("quant_avx512_bf16_available() -> bool", &quant_avx512_bf16_available);
-  m.def("int8_weight_linear_avx512(Tensor x, Tensor packed, Tensor scale, int n, int mode=0) -> Tensor",
+  m.def("int8_weight_linear_avx512(Tensor x, Tensor packed, Tensor scale, int n, Tensor? bias=None, int mode=0) -> Tensor",
         &int8_weight_linear_avx512);
-  m.def("int4_weight_linear_avx512(Tensor x, Tensor packed, Tensor scale_zero, int n, int group, int mode=0) -> Tensor",
+  m.def("int4_weight_linear_avx512(Tensor x, Tensor packed, int n, int group, ScalarType scale_dtype, Tensor? bias=None, "
+        "int mode=0) -> Tensor",
         &int4_weight_linear_avx512);
 }
