@@ -45,11 +45,16 @@ namespace {
 
 constexpr int64_t kOut = 16;      // outputs per group: one zmm of fp32 sums
 
-// Software prefetch this far ahead along each weight stream: 5-10% more bandwidth at one row than the
-// hardware prefetchers alone here (256-2048 bytes measured alike).
-constexpr int64_t kPrefetchBytes = 512;
+// Software prefetch along each weight stream, into L1 this far ahead and into L2 further: at one row,
+// measured interleaved on the Zen 4 host, the L1 prefetch alone added 5-10% over the hardware
+// prefetchers (256-2048 bytes alike) and the L2 one another 2-17% (more than 2 KiB ahead did worse).
+constexpr int64_t kPrefetchL1Bytes = 512;
+constexpr int64_t kPrefetchL2Bytes = 2048;
 
-inline void prefetch_ahead(const void* p) { _mm_prefetch(static_cast<const char*>(p) + kPrefetchBytes, _MM_HINT_T0); }
+inline void prefetch_ahead(const void* p) {
+  _mm_prefetch(static_cast<const char*>(p) + kPrefetchL1Bytes, _MM_HINT_T0);
+  _mm_prefetch(static_cast<const char*>(p) + kPrefetchL2Bytes, _MM_HINT_T1);
+}
 
 bool cpu_has_avx512() {
   static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
