@@ -1,5 +1,5 @@
 """Time the bench model's linear layers (one decode step's worth) under each CPU kernel, interleaved,
-best of N rounds: bf16 kernels, and the quantized kernels of worker_svc/executor/quantize.py (aten's and AVX2).
+best of N rounds: bf16 kernels, and the quantized kernels of worker_svc/executor/quantize.py (aten's, AVX2, AVX-512).
 
     python benchmarks/linear_kernels.py [--threads 2] [--rounds 6] [--rows 1 2 16] [--quantized]
 """
@@ -19,17 +19,23 @@ BENCH_SHAPES = [(1536, 1024), (1024, 1024), (5632, 1024), (1024, 2816)] * 8 + [(
 
 
 def quantized_kernels(weights: list[torch.Tensor]) -> dict[str, list]:
-    from worker_svc.executor.quantize import cpu_quant_ops
+    from worker_svc.kernels import cpu_ext
     from worker_svc.kernels.quant_linear import Int4WeightOnlyKernel, Int8DynamicKernel, Int8WeightOnlyKernel
 
     kernels: dict[str, list] = {}
-    backends = {"aten": None}
-    if (ops := cpu_quant_ops("auto")) is not None:
+    backends: dict[str, object | None] = {"aten": None}
+    if (ops := cpu_ext.load()) is not None:
         backends["avx2"] = ops
+        if ops.quant_avx512_available():
+            backends["avx512"] = ops
     for backend, ops in backends.items():
-        kernels[f"int8wo/{backend}"] = [Int8WeightOnlyKernel(w, torch.bfloat16, ops=ops) for w in weights]
-        kernels[f"int4wo-128/{backend}"] = [Int4WeightOnlyKernel(w, torch.bfloat16, 128, ops=ops) for w in weights]
-        kernels[f"int8dq/{backend}"] = [Int8DynamicKernel(w, torch.bfloat16, ops=ops) for w in weights]
+        isa = "avx512" if backend == "avx512" else "avx2"
+        kernels[f"int8wo/{backend}"] = [Int8WeightOnlyKernel(w, torch.bfloat16, ops=ops, isa=isa) for w in weights]
+        kernels[f"int4wo-128/{backend}"] = [
+            Int4WeightOnlyKernel(w, torch.bfloat16, 128, ops=ops, isa=isa) for w in weights
+        ]
+        if backend != "avx512":  # no AVX-512 int8dq kernel
+            kernels[f"int8dq/{backend}"] = [Int8DynamicKernel(w, torch.bfloat16, ops=ops) for w in weights]
     return kernels
 
 

@@ -48,8 +48,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="weight quantization: none, int8wo, int4wo-<32|64|128|256>, int8dq, fp8wo, fp8dq-per_row")
     g.add_argument("--quantize-lm-head", action="store_true", help="quantize the LM head too")
     g.add_argument("--cpu-quant-kernel", choices=CPU_QUANT_KERNELS, default="auto",
-                   help="kernels for quantized layers on the CPU (auto: the AVX2 kernels on AVX2-only CPUs, "
-                   "else aten's)")
+                   help="kernels for quantized layers on the CPU (auto: this project's AVX-512 kernels on AVX-512 "
+                   "CPUs, its AVX2 kernels on AVX2-only CPUs, else aten's)")
     g.add_argument("--cpu-bf16-linear", choices=CPU_BF16_LINEAR_KERNELS, default="auto",
                    help="bf16 matmul kernel on the CPU (auto: blocked_upcast on CPUs without native bf16)")
     g.add_argument("--mla-decode", choices=MLA_DECODE_MODES, default="absorbed",

@@ -88,6 +88,33 @@ def test_quant_kernels_only_when_quantizing():
         assert _plan(cpu_quant_kernel="avx2", quant=parse_quant_config("int8wo")).quant_ops is cpu_ext.load()
 
 
+def _has_avx512_quant() -> bool:
+    ops = cpu_ext.load()
+    return ops is not None and bool(ops.quant_avx512_available())
+
+
+def test_auto_quant_kernel_follows_the_cpu():
+    int8wo, int4wo, int8dq = (parse_quant_config(c) for c in ("int8wo", "int4wo-32", "int8dq"))
+    if _has_avx512_quant():
+        for quant in (int8wo, int4wo):
+            plan = _plan(quant=quant)
+            assert plan.quant_kernel == "avx512" and plan.quant_ops is cpu_ext.load()
+            assert plan.describe()["quant_kernel"] == "avx512"
+            assert _plan(quant=quant, cpu_quant_kernel="avx512").quant_kernel == "avx512"
+        # no AVX-512 int8dq kernel: aten's, vectorized on these CPUs, under auto and avx512 alike
+        assert _plan(quant=int8dq).quant_kernel == "aten" and _plan(quant=int8dq).quant_ops is None
+        assert _plan(quant=int8dq, cpu_quant_kernel="avx512").quant_kernel == "aten"
+    else:
+        with pytest.raises(QuantConfigError, match="--cpu-quant-kernel avx512"):
+            _plan(quant=int8wo, cpu_quant_kernel="avx512")
+        avx2_only = torch.backends.cpu.get_cpu_capability() == "AVX2"
+        expected = "avx2" if cpu_ext.load() is not None and avx2_only else "aten"
+        assert _plan(quant=int8wo).quant_kernel == expected
+    if cpu_ext.load() is not None:  # the AVX2 kernels run on AVX-512 CPUs too, when asked for
+        assert _plan(quant=int4wo, cpu_quant_kernel="avx2").quant_kernel == "avx2"
+    assert _plan(quant=int4wo, cpu_quant_kernel="aten").quant_kernel == "aten"
+
+
 def test_apply_kernels_skips_quantized_layers():
     model = torch.nn.Sequential(KernelLinear(4, 4), KernelLinear(4, 4), RMSNorm(4, 1e-6)).to(torch.bfloat16)
     model[1].quantized = True

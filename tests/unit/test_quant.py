@@ -9,10 +9,11 @@ import torch
 from llmserve.bench.driver import greedy_with_split_prefill
 from tests.unit.oracle import encode_prompts
 from worker_svc.config.engine_config import EngineConfig
-from worker_svc.executor.kernel_choice import cpu_quant_ops
+from worker_svc.executor.kernel_choice import cpu_quant_kernel
 from worker_svc.executor.model_runner import ModelRunner
 from worker_svc.executor.quantize import QuantConfigError, dequantized_reference, parse_quant_config
 from worker_svc.kernels import cpu_ext
+from worker_svc.kernels.quant_linear import Int4WeightOnlyKernel, Int8WeightOnlyKernel
 
 WEIGHT_ONLY = ["int8wo", "int4wo-32", "int4wo-64"]
 
@@ -29,14 +30,24 @@ REFERENCE_CASES = [(preset, config) for preset in ("tiny", "small") for config i
 ]
 
 
+def _has_avx512_quant() -> bool:
+    ops = cpu_ext.load()
+    return ops is not None and bool(ops.quant_avx512_available())
+
+
 @pytest.mark.parametrize("preset,config", REFERENCE_CASES)
-@pytest.mark.parametrize("cpu_kernel", ["avx2", "aten"])
+@pytest.mark.parametrize("cpu_kernel", ["avx512", "avx2", "aten"])
 def test_quantized_kernels_match_dequantized_reference(model_factory, preset, config, cpu_kernel):
     if cpu_kernel == "avx2" and cpu_ext.load() is None:
         pytest.skip("AVX2 kernels unavailable on this host")
+    if cpu_kernel == "avx512" and not _has_avx512_quant():
+        pytest.skip("AVX-512 kernels unavailable on this host (no AVX-512 F/BW/VL/DQ or no C++ kernels)")
     model_dir = model_factory(preset)
     prompts = encode_prompts(model_dir)
     fast = _runner(model_dir, config, cpu_quant_kernel=cpu_kernel)
+    kernels = [m.kernel for m in fast.model.modules() if isinstance(getattr(m, "kernel", None),
+                                                                   (Int8WeightOnlyKernel, Int4WeightOnlyKernel))]
+    assert kernels and all(k.avx512 == (cpu_kernel == "avx512") for k in kernels)  # the set asked for ran
     logits, tokens = greedy_with_split_prefill(fast, prompts, 8, cut_len=3)
     reference = _runner(model_dir, config, cpu_quant_kernel=cpu_kernel)
     dequantized_reference(reference.model)
@@ -125,11 +136,15 @@ def test_int4_group_must_divide_the_shard(model_factory):
 
 
 def test_cpu_quant_kernel_choice():
-    assert cpu_quant_ops("aten") is None
+    assert cpu_quant_kernel("aten", "int8wo") == ("aten", None)
     if torch.backends.cpu.get_cpu_capability() == "AVX2" and cpu_ext.load() is not None:
-        assert cpu_quant_ops("auto") is cpu_ext.load()  # aten's int kernels are scalar on AVX2-only CPUs
+        # aten's int kernels are scalar on AVX2-only CPUs
+        assert cpu_quant_kernel("auto", "int4wo") == ("avx2", cpu_ext.load())
+    if _has_avx512_quant():
+        assert cpu_quant_kernel("auto", "int4wo") == ("avx512", cpu_ext.load())
+        assert cpu_quant_kernel("auto", "int8dq") == ("aten", None)
     if cpu_ext.load() is None:
         with pytest.raises(QuantConfigError, match="--cpu-quant-kernel aten"):
-            cpu_quant_ops("avx2")
+            cpu_quant_kernel("avx2", "int8wo")
     with pytest.raises(ValueError, match="--cpu-quant-kernel"):
         EngineConfig(model_path="x", cpu_quant_kernel="fast")

@@ -8,7 +8,7 @@ from typing import Any
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 MLA_DECODE_MODES = ("absorbed", "normal")
 CPU_BF16_LINEAR_KERNELS = ("auto", "aten", "avx512_bf16", "fbgemm_fp16", "fbgemm_fp16_lowmem", "blocked_upcast")
-CPU_QUANT_KERNELS = ("auto", "avx2", "aten")
+CPU_QUANT_KERNELS = ("auto", "avx512", "avx2", "aten")
 MOE_EXPERT_KERNELS = ("auto", "loop", "grouped")
 
 
@@ -47,8 +47,9 @@ class EngineConfig:
     # Weight quantization of this rank's shard (worker_svc/executor/quantize.py), e.g. "int4wo-128".
     torchao_config: str = "none"
     quantize_lm_head: bool = False
-    # Kernels for quantized layers on the CPU (worker_svc/executor/quantize.py): "auto" picks this project's AVX2
-    # kernels on AVX2-only CPUs (aten's are scalar there) and aten's elsewhere.
+    # Kernels for quantized layers on the CPU (worker_svc/executor/quantize.py): "auto" picks this project's
+    # AVX-512 kernels (int8wo, int4wo) on AVX-512 CPUs, its AVX2 kernels on AVX2-only CPUs (aten's are scalar
+    # there) and aten's elsewhere (and for int8dq on AVX-512 CPUs).
     cpu_quant_kernel: str = "auto"
 
     # MLA models (DeepSeek-V2): decode attention over the cached latents with W_UK/W_UV folded into

@@ -1,5 +1,6 @@
 """Kernel policy: which matmul kernel the bf16 linears get, whether RMSNorm and decode attention run
-this project's AVX2 kernels (kernels/csrc), which kernels quantized layers use, how MoE experts run.
+this project's AVX2 kernels (kernels/csrc), which kernels quantized layers use (AVX-512, AVX2 or aten's),
+how MoE experts run.
 Chosen once, before any weight is read, from the EngineConfig, the model kind and the device (one
 ``KernelPlan``, logged once), then applied to the loaded model."""
 
@@ -40,9 +41,9 @@ class KernelPlan:
     cpu_ops: object | None  # the AVX2 kernels (cpu_ext.load()) for RMSNorm and decode attention, None off x86
     mla: bool  # the model's attention is MLA (one latent per token), not per-head K/V
     mla_decode: str  # MLA only: "absorbed" | "normal"
-    quant_ops: object | None  # the AVX2 kernels for quantized layers on the CPU, None for aten's (or no quantization)
+    quant_ops: object | None  # this project's kernels for quantized CPU layers, None for aten's (or no quantization)
     moe_experts: str = "loop"  # MoE models: "loop" | "grouped" (layers/moe.py)
-    quant_kernel: str | None = None  # quantized on the CPU: "avx2" | "aten"; None without quantization
+    quant_kernel: str | None = None  # quantized on the CPU: "avx512" | "avx2" | "aten"; None without quantization
 
     @property
     def attention_decode(self) -> str:
@@ -65,20 +66,35 @@ class KernelPlan:
         return plan
 
 
-def cpu_quant_ops(choice: str) -> object | None:
-    """The AVX2 kernels (``torch.ops.llmserve_cpu``) for ``--cpu-quant-kernel choice``, or None for aten's.
+def cpu_quant_kernel(choice: str, method: str) -> tuple[str, object | None]:
+    """The kernel set quantized layers run on the CPU for ``--cpu-quant-kernel choice`` and quantization
+    ``method``: ("avx512" | "avx2" | "aten", this project's kernels ``torch.ops.llmserve_cpu`` or None for aten's).
 
-    ``auto`` takes them only on AVX2-only CPUs: with AVX-512, aten's kernels are vectorized too.
+    ``auto``: the AVX-512 kernels (int8wo, int4wo) where the CPU has AVX-512 F/BW/VL/DQ, the AVX2 kernels on
+    AVX2-only CPUs (aten's int kernels are scalar loops there), aten's otherwise. int8dq has no AVX-512
+    kernel: on AVX-512 CPUs it runs aten's (vectorized there), also under ``avx512``.
     """
-    if choice == "aten" or (choice == "auto" and torch.backends.cpu.get_cpu_capability() != "AVX2"):
-        return None
+    if choice == "aten":
+        return "aten", None
     ops = cpu_ext.load()
-    if ops is None and choice == "avx2":
+    avx512 = ops is not None and bool(ops.quant_avx512_available())  # type: ignore[attr-defined]
+    if choice == "avx2":
+        if ops is None:
+            raise QuantConfigError(
+                "--cpu-quant-kernel avx2: the AVX2 kernels cannot run here (needs x86-64 with AVX2 and a C++ "
+                "compiler; the log says why); use --cpu-quant-kernel aten"
+            )
+        return "avx2", ops
+    if choice == "avx512" and not avx512:
         raise QuantConfigError(
-            "--cpu-quant-kernel avx2: the AVX2 kernels cannot run here (needs x86-64 with AVX2 and a C++ "
-            "compiler; the log says why); use --cpu-quant-kernel aten"
+            "--cpu-quant-kernel avx512: the AVX-512 kernels cannot run here (needs a CPU with AVX-512 F/BW/VL/DQ "
+            "and this project's C++ kernels; the log says whether they loaded); use --cpu-quant-kernel auto"
         )
-    return ops
+    if avx512:
+        return ("aten", None) if method == "int8dq" else ("avx512", ops)
+    if ops is not None and torch.backends.cpu.get_cpu_capability() == "AVX2":
+        return "avx2", ops
+    return "aten", None
 
 
 def _bf16_linear_kernel(
@@ -120,7 +136,9 @@ def choose_kernels(
     on_cpu = device.type == "cpu"
     quantized_on_cpu = on_cpu and quant.method != "none"
     cpu_ops = cpu_ext.load() if on_cpu else None
-    quant_ops = cpu_quant_ops(engine_config.cpu_quant_kernel) if quantized_on_cpu else None
+    quant_kernel, quant_ops = (
+        cpu_quant_kernel(engine_config.cpu_quant_kernel, quant.method) if quantized_on_cpu else (None, None)
+    )
     plan = KernelPlan(
         bf16_linear=_bf16_linear_kernel(engine_config, device, dtype, cpu_ops),
         cpu_ops=cpu_ops,
@@ -128,7 +146,7 @@ def choose_kernels(
         mla_decode=engine_config.mla_decode,
         quant_ops=quant_ops,
         moe_experts=_moe_experts(engine_config, quant, device),
-        quant_kernel=("avx2" if quant_ops is not None else "aten") if quantized_on_cpu else None,
+        quant_kernel=quant_kernel,
     )
     log.info("kernel plan", **plan.describe())
     return plan

@@ -128,7 +128,8 @@ class ModelRunner:
             if isinstance(module, DeviceCache):
                 module.build_cache(self.device)
         quantized = quantize_model(
-            model, quant, self.dtype, self.device, engine_config.quantize_lm_head, kernels.quant_ops
+            model, quant, self.dtype, self.device, engine_config.quantize_lm_head, kernels.quant_ops,
+            kernels.quant_kernel,
         )
         apply_kernels(model, kernels)
         self.weight_nbytes = weight_bytes(model)

@@ -13,7 +13,7 @@ Int4WeightOnlyConfig, Int8DynamicActivationInt8WeightConfig, Float8...), which r
 there. On the CPU torchao 0.15's configs either miss the fast kernels or need extensions built for
 another torch, so the CPU path uses torchao's quantization primitives (``choose_qparams_affine``,
 ``quantize_affine`` and the tinygemm variants) to produce the same quantized values and runs them
-with one of two kernel sets (``--cpu-quant-kernel``, picked in executor/kernel_choice.py; the kernel
+with one of three kernel sets (``--cpu-quant-kernel``, picked in executor/kernel_choice.py; the kernel
 classes are in kernels/quant_linear.py):
 
 - ``aten``: ``_weight_int8pack_mm`` (int8 weight-only), ``_weight_int4pack_mm_for_cpu`` (int4,
@@ -22,6 +22,9 @@ classes are in kernels/quant_linear.py):
   than bf16 at every batch size.
 - ``avx2``: this project's kernels (kernels/csrc/quant_linear_avx2.cpp, built on first use), the
   same arithmetic vectorized for AVX2 + FMA. ``auto`` picks them on AVX2-only CPUs.
+- ``avx512``: this project's AVX-512 kernels for int8wo and int4wo (kernels/csrc/quant_linear_avx512.cpp),
+  on weights packed at load for 16 outputs per register, with VDPBF16PS for bf16 activations where the
+  CPU has AVX512-BF16. ``auto`` picks them on AVX-512 CPUs; int8dq keeps aten's kernel there.
 
 Each kernel can also produce its dequantized weight, which the tests use as the reference.
 
@@ -135,11 +138,12 @@ def quantize_model(
     device: torch.device,
     include_lm_head: bool = False,
     cpu_ops: object | None = None,
+    cpu_kernel: str | None = None,
 ) -> int:
     """Quantize the projection layers in place; returns how many layers were quantized. Every rank
-    must call it (row-parallel int8 scales take one max-reduction per layer). ``cpu_ops``: the AVX2
-    kernels the CPU layers run, or None for aten's (executor/kernel_choice.py picks them from
-    ``--cpu-quant-kernel``)."""
+    must call it (row-parallel int8 scales take one max-reduction per layer). ``cpu_ops``: this project's
+    kernels the CPU layers run, or None for aten's; ``cpu_kernel``: which of its sets, "avx2" (the default
+    with ``cpu_ops``) or "avx512" (executor/kernel_choice.py picks both from ``--cpu-quant-kernel``)."""
     if config.method == "none":
         return 0
     check_runnable(config, device)
@@ -147,19 +151,21 @@ def quantize_model(
     if device.type == "cuda":
         return _quantize_with_torchao(model, config, [m for _, m in targets])
     tied = embedding_parameter_ids(model)
+    cpu_kernel = (cpu_kernel or "avx2") if cpu_ops is not None else "aten"
+    isa = "avx512" if cpu_kernel == "avx512" else "avx2"
     for _, module in targets:
         weight = module.weight.data
         kernel: Int8WeightOnlyKernel | Int4WeightOnlyKernel
         if config.method == "int8wo":
-            kernel = Int8WeightOnlyKernel(weight, dtype, _row_absmax_over_ranks(module), cpu_ops)
+            kernel = Int8WeightOnlyKernel(weight, dtype, _row_absmax_over_ranks(module), cpu_ops, isa)
         elif config.method == "int8dq":
-            kernel = Int8DynamicKernel(weight, dtype, _row_absmax_over_ranks(module), cpu_ops)
+            kernel = Int8DynamicKernel(weight, dtype, _row_absmax_over_ranks(module), cpu_ops, isa)
         else:
-            kernel = Int4WeightOnlyKernel(weight, dtype, config.group_size, cpu_ops)
+            kernel = Int4WeightOnlyKernel(weight, dtype, config.group_size, cpu_ops, isa)
         module.kernel = kernel
         module.quantized = True
         release_weight(module, tied)  # the kernel holds the quantized copy
-    log.info("quantized", config=config.name, layers=len(targets), cpu_kernel="avx2" if cpu_ops is not None else "aten")
+    log.info("quantized", config=config.name, layers=len(targets), cpu_kernel=cpu_kernel)
     return len(targets)
 
 

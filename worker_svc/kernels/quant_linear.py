@@ -2,9 +2,11 @@
 
 Each class quantizes one layer's weight with torchao's primitives (``choose_qparams_affine``,
 ``quantize_affine`` and the tinygemm variants), keeps only the quantized copy in the chosen kernel's
-layout, and is called like ``F.linear``. ``ops`` is the AVX2 kernel set (``torch.ops.llmserve_cpu``,
-kernels/csrc/quant_linear_avx2.cpp) or None for aten's. ``dequantized()`` gives the fp32 weight the
-quantized values mean: the reference the tests hold both kernel sets to.
+layout, and is called like ``F.linear``. ``ops`` is this project's kernel library (``torch.ops.llmserve_cpu``)
+or None for aten's; ``isa`` picks its kernel set: ``"avx2"`` (kernels/csrc/quant_linear_avx2.cpp) or
+``"avx512"`` (kernels/csrc/quant_linear_avx512.cpp, weight-only configs, weights packed for 16 outputs per
+zmm). ``dequantized()`` gives the fp32 weight the quantized values mean: the reference the tests hold
+every kernel set to.
 """
 
 from __future__ import annotations
@@ -40,6 +42,72 @@ def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
     return words.view(torch.uint8).view(rows, -1, 8, 8)[..., :4].reshape(rows, padded // 2).contiguous()
 
 
+AVX512_OUT = 16  # outputs per zmm in the AVX-512 layouts
+
+
+def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    return torch.cat((t, t.new_zeros(rows - t.shape[0], *t.shape[1:]))) if rows > t.shape[0] else t
+
+
+def pack_int8_avx512(q: torch.Tensor) -> torch.Tensor:
+    """[N, K] int8 -> [G, Kp / 2, 32] int8 (G = N / 16 rounded up, Kp = K rounded up to even, zero padded):
+    per group of 16 outputs and pair of inputs, (n0k0, n0k1, n1k0, n1k1, ...)."""
+    rows, cols = q.shape
+    groups, pairs = -(-rows // AVX512_OUT), -(-cols // 2)
+    q = F.pad(_pad_rows(q, groups * AVX512_OUT), (0, 2 * pairs - cols))
+    return q.view(groups, AVX512_OUT, pairs, 2).permute(0, 2, 1, 3).reshape(groups, pairs, 2 * AVX512_OUT).contiguous()
+
+
+def unpack_int8_avx512(packed: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    groups, pairs, _ = packed.shape
+    return packed.view(groups, pairs, AVX512_OUT, 2).permute(0, 2, 1, 3).reshape(-1, 2 * pairs)[:rows, :cols]
+
+
+def _int4_words(q: torch.Tensor) -> torch.Tensor:
+    """[N, K] values 0..15 (K a multiple of 8) -> [G, K / 8, 16] int32: word j of block b holds the weight
+    (16g + j, 8b + t) in bits 4t..4t+3; output rows beyond N are zero."""
+    rows, cols = q.shape
+    groups = -(-rows // AVX512_OUT)
+    planes = _pad_rows(q.to(torch.int64), groups * AVX512_OUT).view(groups, AVX512_OUT, cols // 8, 8)
+    words = (planes << (4 * torch.arange(8, dtype=torch.int64))).sum(dim=-1).permute(0, 2, 1)  # [G, K/8, 16]
+    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32).contiguous()
+
+
+def pack_int4_avx512(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int) -> torch.Tensor:
+    """[N, K] values 0..15 with [N, K / group] scale and zero -> [G, K / group, 32 s + 8 group] uint8 (s: the
+    scales' element size): per group of 16 outputs and quantization group, the 16 scales, the 16 zeros,
+    then the group's weights as ``group / 8`` blocks of 16 words (word j of block b: output 16g + j,
+    inputs 8b .. 8b + 7 in bits 4t..4t+3). Output rows beyond N are zero; one output group is one stream."""
+    words = _int4_words(q)  # [G, K/8, 16]
+    out_groups, quant_groups = words.shape[0], scale.shape[1]
+    padded = out_groups * AVX512_OUT
+    sz = torch.stack((_pad_rows(scale, padded), _pad_rows(zero, padded)))  # [2, Np, groups]
+    sz = sz.view(2, out_groups, AVX512_OUT, quant_groups).permute(1, 3, 0, 2).contiguous()  # [G, groups, 2, 16]
+    head = sz.view(torch.uint8).reshape(out_groups, quant_groups, -1)
+    body = words.view(out_groups, quant_groups, -1).view(torch.uint8)  # [G, groups, 64 * group / 8]
+    return torch.cat((head, body), dim=-1).contiguous()
+
+
+def unpack_int4_avx512(
+    packed: torch.Tensor, rows: int, group: int, scale_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``pack_int4_avx512``'s inverse: ([N, K] uint8 values, [N, K / group] scale, zero)."""
+    out_groups, quant_groups, _ = packed.shape
+    head = 2 * AVX512_OUT * torch.finfo(scale_dtype).bits // 8
+    sz = packed[..., :head].contiguous().view(scale_dtype).view(out_groups, quant_groups, 2, AVX512_OUT)
+    both = sz.permute(2, 0, 3, 1).reshape(2, -1, quant_groups)[:, :rows]  # [2, N, groups]
+    words = packed[..., head:].contiguous().view(torch.int32).view(out_groups, -1, AVX512_OUT).to(torch.int64)
+    words &= 0xFFFFFFFF
+    q = (words[..., None] >> (4 * torch.arange(8, dtype=torch.int64))) & 0xF  # [G, K/8, 16, t]
+    q = q.permute(0, 2, 1, 3).reshape(out_groups * AVX512_OUT, -1)[:rows].to(torch.uint8)
+    return q, both[0], both[1]
+
+
+def _check_isa(isa: str) -> None:
+    if isa not in ("avx2", "avx512"):
+        raise ValueError(f"isa must be avx2 or avx512, not {isa!r}")
+
+
 def unpack_nibbles(packed: torch.Tensor, cols: int) -> torch.Tensor:
     rows = packed.shape[0]
     word_bytes = packed.view(rows, -1, 8, 4).to(torch.int64)  # [N, block, i, byte]
@@ -55,13 +123,21 @@ class Int8WeightOnlyKernel:
 
     ``row_absmax`` ([out]) overrides the channel range: a row-parallel shard passes the max over
     all ranks, so its scales, and hence its quantized values, equal an unsharded quantization.
-    ``ops``: the AVX2 kernels (``cpu_quant_ops``), or None for aten's.
+    ``ops``: this project's kernels (``isa`` "avx2" or "avx512"), or None for aten's.
     """
 
     def __init__(
-        self, weight: torch.Tensor, dtype: torch.dtype, row_absmax: torch.Tensor | None = None, ops=None
+        self,
+        weight: torch.Tensor,
+        dtype: torch.dtype,
+        row_absmax: torch.Tensor | None = None,
+        ops=None,
+        isa: str = "avx2",
     ) -> None:
+        _check_isa(isa)
         self.ops = ops
+        self.avx512 = ops is not None and isa == "avx512"
+        self.out_features, self.in_features = weight.shape
         w32 = weight.float()
         self.block = (1, w32.shape[1])
         if row_absmax is None:
@@ -78,17 +154,32 @@ class Int8WeightOnlyKernel:
         else:  # choose_qparams_affine's symmetric rule, on the all-rank range
             self.scale = (row_absmax.float() / 127).clamp(min=1e-9).reshape(-1, 1)
             self.zero = torch.zeros_like(self.scale, dtype=torch.int32)
-        self.qweight = _primitives().quantize_affine(
+        qweight = _primitives().quantize_affine(
             w32, self.block, self.scale, self.zero, torch.int8, -127, 127
         )  # [N, K]
-        # [N]: aten's kernel takes the scales in the activation dtype, the AVX2 kernels in float32.
+        # [N]: aten's kernel takes the scales in the activation dtype, this project's in float32.
         self.kernel_scale = self.scale.reshape(-1).to(torch.float32 if ops is not None else dtype).contiguous()
-        self.nbytes = self.qweight.numel() + self.kernel_scale.numel() * self.kernel_scale.element_size()
+        self.qweight: torch.Tensor | None = qweight
+        if self.avx512:  # the packed copy replaces the row-major one
+            self.packed = pack_int8_avx512(qweight)  # [G, Kp / 2, 32]
+            self.kernel_scale = _pad_rows(self.kernel_scale, self.packed.shape[0] * AVX512_OUT)
+            self.qweight = None
+        weight_bytes = self.packed.numel() if self.avx512 else qweight.numel()
+        self.nbytes = weight_bytes + self.kernel_scale.numel() * self.kernel_scale.element_size()
+
+    def quantized_weight(self) -> torch.Tensor:
+        if self.qweight is not None:
+            return self.qweight
+        return unpack_int8_avx512(self.packed, self.out_features, self.in_features)
 
     def dequantized(self) -> torch.Tensor:
-        return _primitives().dequantize_affine(self.qweight, self.block, self.scale, self.zero, torch.int8, -127, 127)
+        return _primitives().dequantize_affine(
+            self.quantized_weight(), self.block, self.scale, self.zero, torch.int8, -127, 127
+        )
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.avx512:  # one call: leading dims and the bias are handled inside
+            return self.ops.int8_weight_linear_avx512(x, self.packed, self.kernel_scale, self.out_features, bias)
         x2 = x.reshape(-1, x.shape[-1])  # [rows, in]
         if self.ops is not None:
             out = self.ops.int8_weight_linear(x2, self.qweight, self.kernel_scale)
@@ -105,6 +196,8 @@ class Int4WeightOnlyKernel:
 
     - AVX2: ``pack_nibbles`` layout [out, in / 2] (in padded to a multiple of 64) with scale and zero
       [out, in / group].
+    - AVX-512: ``pack_int4_avx512``: per 16 outputs and quantization group, their scales and zeros, then
+      their nibbles in 32-bit words (out rounded up to 16 with zero rows), one uint8 tensor.
     - aten: ``_convert_weight_to_int4pack_for_cpu``'s layout, which needs a multiple of 16 output rows;
       other sizes (MLA's kv_a_proj_with_mqa is kv_lora_rank + rope, 40 in the tiny DeepSeek preset) get
       zero rows appended, sliced off the output.
@@ -112,8 +205,10 @@ class Int4WeightOnlyKernel:
 
     PACK_ROWS = 16
 
-    def __init__(self, weight: torch.Tensor, dtype: torch.dtype, group_size: int, ops=None) -> None:
+    def __init__(self, weight: torch.Tensor, dtype: torch.dtype, group_size: int, ops=None, isa: str = "avx2") -> None:
+        _check_isa(isa)
         self.ops = ops
+        self.avx512 = ops is not None and isa == "avx512"
         w32 = weight.float()
         self.out_features, in_features = w32.shape
         pad = 0 if ops is not None else -self.out_features % self.PACK_ROWS
@@ -137,6 +232,12 @@ class Int4WeightOnlyKernel:
         groups = in_features // group_size
         self.scale = scale.reshape(-1, groups).contiguous()  # [N, groups]
         self.zero = zero.reshape(-1, groups).contiguous()
+        if self.avx512:  # the packed copy replaces the row-major ones
+            self.scale_dtype = dtype
+            self.packed = pack_int4_avx512(qweight, self.scale, self.zero, group_size)
+            del self.scale, self.zero
+            self.nbytes = self.packed.numel()
+            return
         if ops is not None:
             self.packed = pack_nibbles(qweight)  # [N, K / 2]
         else:
@@ -148,6 +249,11 @@ class Int4WeightOnlyKernel:
         )
 
     def dequantized(self) -> torch.Tensor:
+        if self.avx512:
+            q, scale, zero = unpack_int4_avx512(self.packed, self.out_features, self.group_size, self.scale_dtype)
+            return _primitives()._dequantize_affine_tinygemm(
+                q.to(torch.int32), self.block, scale, zero, torch.int32, 0, 15
+            ).float()
         if self.ops is not None:
             qweight = unpack_nibbles(self.packed, self.scale.shape[1] * self.group_size).to(torch.int32)
             w = _primitives()._dequantize_affine_tinygemm(
@@ -161,6 +267,10 @@ class Int4WeightOnlyKernel:
         return w_t.t()[: self.out_features].contiguous()
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.avx512:  # one call: leading dims and the bias are handled inside
+            return self.ops.int4_weight_linear_avx512(
+                x, self.packed, self.out_features, self.group_size, self.scale_dtype, bias
+            )
         x2 = x.reshape(-1, x.shape[-1])  # [rows, in]
         if self.ops is not None:
             out = self.ops.int4_weight_linear(x2, self.packed, self.scale, self.zero, self.group_size)
@@ -174,7 +284,20 @@ class Int4WeightOnlyKernel:
 
 
 class Int8DynamicKernel(Int8WeightOnlyKernel):
-    """int8 weights (per channel) x int8 activations quantized per token at run time."""
+    """int8 weights (per channel) x int8 activations quantized per token at run time (aten's or the AVX2
+    kernel: the AVX-512 set has none)."""
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        dtype: torch.dtype,
+        row_absmax: torch.Tensor | None = None,
+        ops=None,
+        isa: str = "avx2",
+    ) -> None:
+        if ops is not None and isa != "avx2":
+            raise ValueError("int8dq runs aten's kernel or the AVX2 one; there is no AVX-512 int8dq kernel")
+        super().__init__(weight, dtype, row_absmax, ops, isa)
 
     @staticmethod
     def fake_quantize_activations(x: torch.Tensor) -> torch.Tensor:
@@ -192,7 +315,7 @@ class Int8DynamicKernel(Int8WeightOnlyKernel):
         x2 = x.reshape(-1, x.shape[-1]).float()  # [rows, in]
         x_scale = (x2.abs().amax(dim=-1, keepdim=True) / 127).clamp(min=1e-9)  # [rows, 1]
         xq = torch.round(x2 / x_scale).clamp(-127, 127).to(torch.int8)
-        acc = torch._int_mm(xq, self.qweight.t())  # [rows, out] int32
+        acc = torch._int_mm(xq, self.quantized_weight().t())  # [rows, out] int32
         out = (acc.float() * x_scale * self.scale.reshape(1, -1)).to(x.dtype)
         if bias is not None:
             out = out + bias

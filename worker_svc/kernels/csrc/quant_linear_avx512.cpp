@@ -1,0 +1,644 @@
+// Weight-only quantized linears (int8 per channel, int4 grouped asymmetric) for CPUs with AVX-512
+// (F/BW/VL/DQ), with a VDPBF16PS path for bf16 activations where the CPU has AVX512-BF16.
+//
+// Why: aten's _weight_int8pack_mm / _weight_int4pack_mm_for_cpu leave much of the memory bandwidth
+// unused at one row and scale poorly to a few rows, and the AVX2 kernels (quant_linear_avx2.cpp) keep
+// one weight row per vector, which costs a horizontal sum per output. Here 16 outputs share a zmm, the
+// activation is broadcast, and the weights are packed once at load for that (the packing is done in
+// Python, kernels/quant_linear.py, which also unpacks them for the tests).
+//
+// Weights stay quantized in memory and are widened in registers; accumulation is fp32:
+//   int8:  packed int8 [G, Kp/2, 16, 2]: per group of 16 outputs, per pair of inputs, 16 outputs x 2
+//          inputs (n0k0 n0k1 n1k0 ...; Kp = K rounded up to even, N padded to 16 G with zero rows).
+//          fp32 path: 16 int8 -> 16 fp32 (8 outputs x 2 inputs) times the broadcast input pair, the
+//          pair's halves added at the end. bf16 path (from kI8Bf16MinRows rows): per tile, the weights
+//          widened once to bf16 (exact) into a panel that every block of rows reads with VDPBF16PS. The
+//          channel scale (fp32 [16 G]) multiplies the sum at the end.
+//   int4:  per group of 16 outputs and quantization group, a record (Int4Args): the 16 scales and 16
+//          zeros in the model dtype, then per 8 inputs one 32-bit word per output holding q[n, 8b + t] in
+//          bits 4t..4t+3 -- one sequential stream per output group. fp32 path: nibble t of every word
+//          indexes a 16-entry table of (q - 8) (a shift and a VPERMPS), FMA with broadcast x[8b + t].
+//          bf16 path: a word-wise shift puts nibbles t and 4 + t at the bottom of the two halves of each
+//          word, VPERMW looks up (q - 8) as bf16 (exact), one VDPBF16PS takes (x[8b + t], x[8b + 4 + t]).
+//          Per quantization group: total += s * (x . (q - 8)) + z * sum(x over the group).
+//   A bias (any float dtype) is added in fp32 before the one rounding to the output dtype.
+//
+// Tiles: MR rows x NV groups of 16 outputs in fp32 registers; threads (at::parallel_for) split the
+// output groups, so each thread streams a contiguous range of the packed weights. Every function using
+// AVX-512 carries its own target attribute, so the library still builds with the AVX2 base flags, and
+// the ops check the CPU before running.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+#define LLMSERVE_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
+#define LLMSERVE_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+
+constexpr int64_t kOut = 16;      // outputs per group: one zmm of fp32 sums
+
+// Software prefetch along each weight stream, into L1 this far ahead and into L2 further: at one row,
+// measured interleaved on the Zen 4 host, the L1 prefetch alone added 5-10% over the hardware
+// prefetchers (256-2048 bytes alike) and the L2 one another 2-17% (more than 2 KiB ahead did worse).
+constexpr int64_t kPrefetchL1Bytes = 512;
+constexpr int64_t kPrefetchL2Bytes = 2048;
+
+inline void prefetch_ahead(const void* p) {
+  _mm_prefetch(static_cast<const char*>(p) + kPrefetchL1Bytes, _MM_HINT_T0);
+  _mm_prefetch(static_cast<const char*>(p) + kPrefetchL2Bytes, _MM_HINT_T1);
+}
+
+bool cpu_has_avx512() {
+  static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  return has;
+}
+
+bool cpu_has_avx512_bf16() {
+  static const bool has = cpu_has_avx512() && __builtin_cpu_supports("avx512bf16");
+  return has;
+}
+
+enum class Kind : int { f32 = 0, bf16 = 1, f16 = 2 };
+
+Kind kind_of(at::ScalarType type, const char* what) {
+  switch (type) {
+    case at::kFloat: return Kind::f32;
+    case at::kBFloat16: return Kind::bf16;
+    case at::kHalf: return Kind::f16;
+    default: TORCH_CHECK(false, what, ": unsupported dtype ", type, " (float32, bfloat16 or float16)");
+  }
+}
+
+// ---- loads and stores of 16 values in any of the three dtypes --------------------------------------
+
+LLMSERVE_AVX512 inline __m512 load16(const void* p, Kind kind) {
+  switch (kind) {
+    case Kind::f32: return _mm512_loadu_ps(p);
+    case Kind::bf16:
+      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(static_cast<const __m256i*>(p))), 16));
+    default: return _mm512_cvtph_ps(_mm256_loadu_si256(static_cast<const __m256i*>(p)));
+  }
+}
+
+// Rounds to nearest even as c10::BFloat16 does (NaN -> 0x7FC0), without needing AVX512-BF16.
+LLMSERVE_AVX512 inline __m256i to_bf16(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  return _mm512_cvtepi32_epi16(rounded);
+}
+
+LLMSERVE_AVX512 inline void store16(void* p, int64_t index, __m512 v, Kind kind, __mmask16 mask) {
+  switch (kind) {
+    case Kind::f32: _mm512_mask_storeu_ps(static_cast<float*>(p) + index, mask, v); break;
+    case Kind::bf16: _mm256_mask_storeu_epi16(static_cast<uint16_t*>(p) + index, mask, to_bf16(v)); break;
+    default:
+      _mm256_mask_storeu_epi16(static_cast<uint16_t*>(p) + index, mask,
+                               _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+}
+
+inline __mmask16 mask_for(int64_t left) {
+  return left >= kOut ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
+}
+
+// Row of K activations (any of the three dtypes) -> fp32 in dst[0 .. K), zeros in dst[K .. Kp).
+LLMSERVE_AVX512 void row_to_f32(const void* src, Kind kind, int64_t K, int64_t Kp, float* dst) {
+  const int64_t esize = kind == Kind::f32 ? 4 : 2;
+  const char* p = static_cast<const char*>(src);
+  int64_t k = 0;
+  for (; k + kOut <= K; k += kOut) _mm512_storeu_ps(dst + k, load16(p + k * esize, kind));
+  for (; k < Kp; ++k) {
+    float v = 0.f;
+    if (k < K) {
+      uint16_t h;
+      if (kind == Kind::f32) std::memcpy(&v, p + 4 * k, 4);
+      else {
+        std::memcpy(&h, p + 2 * k, 2);
+        v = kind == Kind::bf16 ? static_cast<float>(c10::BFloat16(h, c10::BFloat16::from_bits()))
+                               : static_cast<float>(c10::Half(h, c10::Half::from_bits()));
+      }
+    }
+    dst[k] = v;
+  }
+}
+
+// Per quantization group of an fp32 row, the sum of its activations.
+LLMSERVE_AVX512 void group_sums(const float* x, int64_t groups, int64_t group, float* dst) {
+  for (int64_t q = 0; q < groups; ++q) {
+    const float* g = x + q * group;
+    int64_t k = 0;
+    __m512 acc = _mm512_setzero_ps();
+    for (; k + kOut <= group; k += kOut) acc = _mm512_add_ps(acc, _mm512_loadu_ps(g + k));
+    float sum = _mm512_reduce_add_ps(acc);
+    for (; k < group; ++k) sum += g[k];
+    dst[q] = sum;
+  }
+}
+
+LLMSERVE_AVX512_BF16 inline __m512 dot_bf16(__m512 acc, __m512i w, __m512i x) {
+  return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh&>(w), reinterpret_cast<__m512bh&>(x));
+}
+
+// Where a tile writes: out [rows, ldo] in `kind`, plus bias [ldo] in bias_kind when bias is not null.
+struct OutView {
+  void* out; int64_t ldo; Kind kind; const void* bias; Kind bias_kind;
+};
+
+LLMSERVE_AVX512 inline __m512 load16_masked(const void* p, int64_t index, Kind kind, __mmask16 mask) {
+  switch (kind) {
+    case Kind::f32: return _mm512_maskz_loadu_ps(mask, static_cast<const float*>(p) + index);
+    case Kind::bf16:
+      return _mm512_castsi512_ps(_mm512_slli_epi32(
+          _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, static_cast<const uint16_t*>(p) + index)), 16));
+    default: return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, static_cast<const uint16_t*>(p) + index));
+  }
+}
+
+// out[row, col .. col + 15] = v (+ bias[col ..]) for the lanes in mask, rounded once to the output dtype.
+LLMSERVE_AVX512 inline void store_out(const OutView& o, int64_t row, int64_t col, __m512 v, __mmask16 mask) {
+  if (o.bias != nullptr) v = _mm512_add_ps(v, load16_masked(o.bias, col, o.bias_kind, mask));
+  store16(o.out, row * o.ldo + col, v, o.kind, mask);
+}
+
+// ---- int8 ----------------------------------------------------------------------------------------
+
+constexpr int64_t kI8PairBytes = 2 * kOut;  // one pair of inputs for 16 outputs
+
+// 8 outputs x 2 inputs of int8 -> 16 fp32.
+LLMSERVE_AVX512 inline __m512 widen16_i8(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
+// Sums the pair lanes of lo (outputs 0-7) and hi (outputs 8-15) into 16 outputs.
+LLMSERVE_AVX512 inline __m512 fold_pairs(__m512 lo, __m512 hi) {
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+  return _mm512_add_ps(_mm512_permutex2var_ps(lo, even, hi), _mm512_permutex2var_ps(lo, odd, hi));
+}
+
+// x fp32 [MR, ldx] (ldx >= Kp, zero beyond K); w at the tile's first group; gstride: bytes per group.
+template <int MR, int NV>
+LLMSERVE_AVX512 void i8_tile_f32(const float* x, int64_t ldx, const int8_t* w, int64_t gstride, int64_t pairs,
+                                 const float* scale, OutView o, int64_t row, int64_t n0, int64_t valid) {
+  __m512 lo[MR][NV], hi[MR][NV];
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < NV; ++v) lo[m][v] = hi[m][v] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < pairs; ++p) {
+    __m512 wl[NV], wh[NV];
+    for (int v = 0; v < NV; ++v) {
+      const int8_t* wp = w + v * gstride + p * kI8PairBytes;
+      if (p % 2 == 0) prefetch_ahead(wp);  // one line per two pairs
+      wl[v] = widen16_i8(wp);
+      wh[v] = widen16_i8(wp + kOut);
+    }
+    for (int m = 0; m < MR; ++m) {
+      double pair;
+      std::memcpy(&pair, x + m * ldx + 2 * p, sizeof(pair));
+      const __m512 xv = _mm512_castpd_ps(_mm512_set1_pd(pair));  // (x[2p], x[2p + 1]) x 8
+      for (int v = 0; v < NV; ++v) {
+        lo[m][v] = _mm512_fmadd_ps(xv, wl[v], lo[m][v]);
+        hi[m][v] = _mm512_fmadd_ps(xv, wh[v], hi[m][v]);
+      }
+    }
+  }
+  for (int v = 0; v < NV && v * kOut < valid; ++v) {
+    const __m512 s = _mm512_loadu_ps(scale + v * kOut);
+    for (int m = 0; m < MR; ++m)
+      store_out(o, row + m, n0 + v * kOut, _mm512_mul_ps(fold_pairs(lo[m][v], hi[m][v]), s), mask_for(valid - v * kOut));
+  }
+}
+
+// Several rows, bf16 activations: a tile's weights are widened once to bf16 (exact: |q| <= 127) into
+// a panel [NV][Kp / 2][32] laid out as bf16_linear_avx512.cpp's packed weights, which every row block
+// then reads with one VDPBF16PS per pair of inputs, 16 outputs and row.
+LLMSERVE_AVX512_BF16 void i8_build_panel(const int8_t* w, int64_t gstride, int64_t pairs, int nv, uint16_t* panel) {
+  for (int v = 0; v < nv; ++v)
+    for (int64_t p = 0; p < pairs; ++p) {
+      const int8_t* wp = w + v * gstride + p * kI8PairBytes;
+      const __m512bh b = _mm512_cvtne2ps_pbh(widen16_i8(wp + kOut), widen16_i8(wp));
+      _mm512_storeu_si512(panel + (v * pairs + p) * 2 * kOut, reinterpret_cast<const __m512i&>(b));
+    }
+}
+
+// acc[m][v] += the pairs [p0, p1) of x rows (bf16 pairs as 32-bit words) times the panel's.
+template <int MR, int NV>
+LLMSERVE_AVX512_BF16 inline void panel_dot(const uint32_t* x, int64_t ldx, const uint16_t* panel, int64_t pstride,
+                                           int64_t p0, int64_t p1, __m512 (&acc)[MR][NV]) {
+  for (int64_t p = p0; p < p1; ++p) {
+    __m512i wv[NV];
+    for (int v = 0; v < NV; ++v) wv[v] = _mm512_loadu_si512(panel + v * pstride + p * 2 * kOut);
+    for (int m = 0; m < MR; ++m) {
+      const __m512i xv = _mm512_set1_epi32(static_cast<int>(x[m * ldx + p]));
+      for (int v = 0; v < NV; ++v) acc[m][v] = dot_bf16(acc[m][v], wv[v], xv);
+    }
+  }
+}
+
+template <int MR, int NV>
+LLMSERVE_AVX512_BF16 void i8_panel_tile(const uint32_t* x, int64_t ldx, const uint16_t* panel, int64_t pairs,
+                                        const float* scale, OutView o, int64_t row, int64_t n0, int64_t valid) {
+  __m512 acc[MR][NV];
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < NV; ++v) acc[m][v] = _mm512_setzero_ps();
+  panel_dot<MR, NV>(x, ldx, panel, pairs * 2 * kOut, 0, pairs, acc);
+  for (int v = 0; v < NV && v * kOut < valid; ++v) {
+    const __m512 s = _mm512_loadu_ps(scale + v * kOut);
+    for (int m = 0; m < MR; ++m)
+      store_out(o, row + m, n0 + v * kOut, _mm512_mul_ps(acc[m][v], s), mask_for(valid - v * kOut));
+  }
+}
+
+// ---- int4 ----------------------------------------------------------------------------------------
+
+constexpr int64_t kI4Block = 8;  // inputs per 32-bit word
+
+// bf16 of (i mod 16) - 8 for i < 32: VPERMW reads 5 index bits, the 5th is nibble t + 1's lowest.
+alignas(64) constexpr uint16_t kI4Bf16Table[32] = {
+    0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80, 0x0000, 0x3F80, 0x4000,
+    0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0, 0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040,
+    0xC000, 0xBF80, 0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0};
+
+// Group fold: total += s * acc + z * xsum, acc = 0. sz: this quantization group's (s[16], z[16]).
+LLMSERVE_AVX512 inline void fold_group(__m512& total, __m512& acc, __m512 s, __m512 z, float xsum) {
+  total = _mm512_fmadd_ps(acc, s, total);
+  total = _mm512_fmadd_ps(z, _mm512_set1_ps(xsum), total);
+  acc = _mm512_setzero_ps();
+}
+
+// Packed int4 weights: per output group, per quantization group q, a record of qstride bytes: its 16
+// scales and 16 zeros (sz_head = 32 elements of the scale dtype), then blocks_per_group blocks of 16
+// words. One output group is one sequential stream.
+struct Int4Args {
+  const uint8_t* w;    // the tile's first output group
+  int64_t gstride;     // bytes per output group: groups * qstride
+  int64_t qstride;     // bytes per quantization group record
+  int64_t sz_head;     // bytes of its scales and zeros
+  Kind sz_kind;
+  int64_t sz_bytes;    // bytes of one scale / zero
+  const float* xsum;   // [rows, ldxs]: per row and quantization group, sum of x
+  int64_t ldxs;
+  int64_t groups, blocks_per_group;
+
+  const uint8_t* record(int v, int64_t q) const { return w + v * gstride + q * qstride; }
+  const uint32_t* block(int v, int64_t q, int64_t bb) const {
+    return reinterpret_cast<const uint32_t*>(record(v, q) + sz_head) + bb * kOut;
+  }
+};
+
+template <int MR, int NV>
+LLMSERVE_AVX512 inline void i4_fold(const Int4Args& a, int64_t q, __m512 (&total)[MR][NV], __m512 (&acc)[MR][NV]) {
+  for (int v = 0; v < NV; ++v) {
+    const uint8_t* sz = a.record(v, q);
+    const __m512 s = load16(sz, a.sz_kind), z = load16(sz + kOut * a.sz_bytes, a.sz_kind);
+    for (int m = 0; m < MR; ++m) fold_group(total[m][v], acc[m][v], s, z, a.xsum[m * a.ldxs + q]);
+  }
+}
+
+template <int MR, int NV>
+LLMSERVE_AVX512 inline void i4_store(__m512 (&total)[MR][NV], OutView o, int64_t row, int64_t n0, int64_t valid) {
+  for (int v = 0; v < NV && v * kOut < valid; ++v)
+    for (int m = 0; m < MR; ++m)
+      store_out(o, row + m, n0 + v * kOut, total[m][v], mask_for(valid - v * kOut));
+}
+
+// x fp32 [MR, ldx].
+template <int MR, int NV>
+LLMSERVE_AVX512 void i4_tile_f32(const float* x, int64_t ldx, Int4Args a, OutView o, int64_t row, int64_t n0,
+                                 int64_t valid) {
+  const __m512 table = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+  __m512 total[MR][NV], acc[MR][NV];
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < NV; ++v) total[m][v] = acc[m][v] = _mm512_setzero_ps();
+  for (int64_t q = 0; q < a.groups; ++q) {
+    for (int64_t bb = 0; bb < a.blocks_per_group; ++bb) {
+      const int64_t b = q * a.blocks_per_group + bb;
+      for (int v = 0; v < NV; ++v) {
+        const uint32_t* wp = a.block(v, q, bb);
+        prefetch_ahead(wp);
+        __m512i words = _mm512_loadu_si512(wp);
+#pragma GCC unroll 8
+        for (int t = 0; t < 8; ++t) {
+          const __m512 wv = _mm512_permutexvar_ps(words, table);  // low 4 bits of each word: nibble t
+          for (int m = 0; m < MR; ++m)
+            acc[m][v] = _mm512_fmadd_ps(_mm512_set1_ps(x[m * ldx + b * kI4Block + t]), wv, acc[m][v]);
+          words = _mm512_srli_epi32(words, 4);
+        }
+      }
+    }
+    i4_fold<MR, NV>(a, q, total, acc);
+  }
+  i4_store<MR, NV>(total, o, row, n0, valid);
+}
+
+// x: per row, K / 2 32-bit words, word 4b + t = (x[8b + t], x[8b + 4 + t]) in bf16.
+template <int MR, int NV>
+LLMSERVE_AVX512_BF16 void i4_tile_bf16(const uint32_t* x, int64_t ldx, Int4Args a, OutView o, int64_t row,
+                                       int64_t n0, int64_t valid) {
+  const __m512i table = _mm512_load_si512(kI4Bf16Table);
+  __m512 total[MR][NV], acc[MR][NV];
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < NV; ++v) total[m][v] = acc[m][v] = _mm512_setzero_ps();
+  for (int64_t q = 0; q < a.groups; ++q) {
+    for (int64_t bb = 0; bb < a.blocks_per_group; ++bb) {
+      const int64_t b = q * a.blocks_per_group + bb;
+      for (int v = 0; v < NV; ++v) {
+        const uint32_t* wp = a.block(v, q, bb);
+        prefetch_ahead(wp);
+        __m512i words = _mm512_loadu_si512(wp);
+#pragma GCC unroll 4
+        for (int t = 0; t < 4; ++t) {
+          const __m512i wv = _mm512_permutexvar_epi16(words, table);  // (q[8b + t] - 8, q[8b + 4 + t] - 8)
+          for (int m = 0; m < MR; ++m)
+            acc[m][v] = dot_bf16(acc[m][v], wv, _mm512_set1_epi32(static_cast<int>(x[m * ldx + b * 4 + t])));
+          words = _mm512_srli_epi16(words, 4);
+        }
+      }
+    }
+    i4_fold<MR, NV>(a, q, total, acc);
+  }
+  i4_store<MR, NV>(total, o, row, n0, valid);
+}
+
+// ---- tile selection and threading ----------------------------------------------------------------
+
+// Register blocks (rows x output groups): one row streams the weights (more output groups in flight);
+// several rows reuse each widened weight vector MR times.
+struct Blocking {
+  int mr, nv;
+};
+constexpr Blocking kOneRow{1, 4};
+constexpr Blocking kDirect{4, 2};  // weights widened in registers (int4: per-group and total accumulators)
+constexpr Blocking kPanelI8{4, 4};
+
+// Tile<MR, NV>::run(args...) for the runtime mr <= MR, nv <= NV.
+template <template <int, int> class Tile, int MR, int NV>
+struct Pick {
+  template <typename... A>
+  static void run(int mr, int nv, const A&... args) {
+    if constexpr (MR > 1) {
+      if (mr < MR) return Pick<Tile, MR - 1, NV>::run(mr, nv, args...);
+    }
+    if constexpr (NV > 1) {
+      if (nv < NV) return Pick<Tile, MR, NV - 1>::run(mr, nv, args...);
+    }
+    Tile<MR, NV>::run(args...);
+  }
+};
+
+// Runs over rows [0, M) x output groups [0, G), threads splitting the groups: per tile of up to
+// blk.nv groups, prepare(g, nv, panel) once, then tile(mr, nv, row, g, panel) per block of blk.mr rows.
+// panel_elems: uint16 scratch per output group (0: none).
+template <typename Prepare, typename F>
+void for_tiles(int64_t M, int64_t G, int64_t K, Blocking blk, int64_t panel_elems, Prepare&& prepare, F&& tile) {
+  // Each task gets at least ~64k weights, so small layers do not pay for a thread hand-off.
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / std::max<int64_t>(kOut * K, 1));
+  at::parallel_for(0, G, grain, [&](int64_t begin, int64_t end) {
+    std::vector<uint16_t> panel(panel_elems * blk.nv);
+    for (int64_t g = begin; g < end; g += blk.nv) {
+      const int nv = static_cast<int>(std::min<int64_t>(blk.nv, end - g));
+      if (panel_elems) prepare(g, nv, panel.data());
+      for (int64_t r = 0; r < M; r += blk.mr) tile(static_cast<int>(std::min<int64_t>(blk.mr, M - r)), nv, r, g, panel.data());
+    }
+  });
+}
+
+constexpr auto kNoPrepare = [](int64_t, int, uint16_t*) {};
+
+template <int MR, int NV>
+struct I8F32 {
+  template <typename... A> static void run(const A&... a) { i8_tile_f32<MR, NV>(a...); }
+};
+template <int MR, int NV>
+struct I8Panel {
+  template <typename... A> static void run(const A&... a) { i8_panel_tile<MR, NV>(a...); }
+};
+template <int MR, int NV>
+struct I4F32 {
+  template <typename... A> static void run(const A&... a) { i4_tile_f32<MR, NV>(a...); }
+};
+template <int MR, int NV>
+struct I4Bf16 {
+  template <typename... A> static void run(const A&... a) { i4_tile_bf16<MR, NV>(a...); }
+};
+
+// mode: 0 = the faster path for these inputs, 1 = fp32 path, 2 = bf16 path (bf16 x, AVX512-BF16).
+bool use_bf16_path(const at::Tensor& x, int64_t rows, int64_t mode, int64_t min_rows, const char* op) {
+  TORCH_CHECK(mode >= 0 && mode <= 2, op, ": mode must be 0 (auto), 1 (fp32) or 2 (bf16)");
+  if (mode == 2) {
+    TORCH_CHECK(cpu_has_avx512_bf16(), op, ": the bf16 path needs AVX512-BF16");
+    TORCH_CHECK(x.scalar_type() == at::kBFloat16, op, ": the bf16 path needs bfloat16 activations");
+    return true;
+  }
+  return mode == 0 && cpu_has_avx512_bf16() && x.scalar_type() == at::kBFloat16 && rows >= min_rows;
+}
+
+// The activations as [rows, K] (any leading dims), the output [..., n] and its view for the tiles.
+struct Call {
+  at::Tensor x;    // [rows, K], contiguous
+  at::Tensor out;  // [..., n]
+  int64_t rows, K;
+  OutView o;
+};
+
+Call begin_call(const at::Tensor& x, const at::Tensor& packed, int64_t n, const c10::optional<at::Tensor>& bias,
+                const char* op) {
+  TORCH_CHECK(cpu_has_avx512(), op, ": this CPU lacks AVX-512 (F, BW, VL, DQ)");
+  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), op, ": tensors must be on the CPU");
+  TORCH_CHECK(x.dim() >= 1, op, ": x must be [..., in_features]");
+  TORCH_CHECK(packed.is_contiguous(), op, ": the packed weight must be contiguous");
+  TORCH_CHECK(n >= 0, op, ": n must be the number of output features");
+  const Kind kind = kind_of(x.scalar_type(), op);
+  Call c;
+  c.K = x.size(-1);
+  c.x = x.reshape({-1, c.K}).contiguous();
+  c.rows = c.x.size(0);
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = n;
+  c.out = at::empty(shape, x.options());
+  c.o = OutView{c.out.data_ptr(), n, kind, nullptr, Kind::f32};
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->numel() == n && bias->is_contiguous() && bias->device().is_cpu(), op,
+                ": bias must be a contiguous [", n, "] CPU tensor");
+    c.o.bias = bias->data_ptr();
+    c.o.bias_kind = kind_of(bias->scalar_type(), op);
+  }
+  return c;
+}
+
+// Scratch for the per-call activation copies: reused across calls on this thread while small, so a
+// decode step's many small linears do not each allocate.
+float* scratch(int64_t floats, at::Tensor& holder) {
+  constexpr int64_t kKeep = int64_t(1) << 18;  // 1 MiB
+  static thread_local std::vector<float> kept;
+  if (floats <= kKeep) {
+    if (static_cast<int64_t>(kept.size()) < floats) kept.resize(kKeep);
+    return kept.data();
+  }
+  holder = at::empty({floats}, at::TensorOptions().dtype(at::kFloat));
+  return holder.data_ptr<float>();
+}
+
+// From this many rows bf16 activations take the int8 panel path: below, widening to bf16 and storing
+// the panel costs as much as the fp32 path's extra FMAs (measured equal at 2 and 4 rows, fp32 ahead at 3,
+// the panel ahead from 5). int4 needs no panel: its nibbles widen in two instructions per 32 weights,
+// and re-widening them per block of 4 rows measured faster than a panel at every row count.
+constexpr int64_t kI8Bf16MinRows = 5;
+
+// x [..., K] -> [..., n]; packed int8 [G, Kp / 2, 32]; scale fp32 [16 G]; bias [n] or None.
+at::Tensor int8_weight_linear_avx512(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& scale,
+                                     int64_t n, const c10::optional<at::Tensor>& bias, int64_t mode) {
+  const char* op = "int8_weight_linear_avx512";
+  Call c = begin_call(x_in, packed, n, bias, op);
+  const int64_t M = c.rows, K = c.K, Kp = (K + 1) / 2 * 2, G = (n + kOut - 1) / kOut;
+  TORCH_CHECK(packed.scalar_type() == at::kChar && packed.dim() == 3 && packed.size(0) == G &&
+                  packed.size(1) * 2 == Kp && packed.size(2) == kI8PairBytes,
+              op, ": packed must be int8 [", G, ", ", Kp / 2, ", 32] for ", n, " outputs and ", K, " features");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == G * kOut, op,
+              ": scale must be contiguous float32 [", G * kOut, "] (padded to whole groups of 16)");
+  const bool bf16_path = use_bf16_path(c.x, M, mode, kI8Bf16MinRows, op);
+  if (M == 0 || n == 0) return c.out;
+  const OutView o = c.o;
+  const int8_t* w = packed.data_ptr<int8_t>();
+  const float* sp = scale.data_ptr<float>();
+  const int64_t gstride = Kp / 2 * kI8PairBytes, pairs = Kp / 2;
+  const Kind x_kind = kind_of(c.x.scalar_type(), op);
+  const char* xsrc = static_cast<const char*>(c.x.data_ptr());
+  at::Tensor holder;
+  if (bf16_path) {
+    const uint32_t* xp = reinterpret_cast<const uint32_t*>(xsrc);
+    if (Kp != K) {  // one zero input appended to each row
+      uint16_t* padded = reinterpret_cast<uint16_t*>(scratch(M * Kp / 2, holder));
+      for (int64_t m = 0; m < M; ++m) {
+        std::memcpy(padded + m * Kp, xsrc + m * K * 2, 2 * K);
+        padded[m * Kp + K] = 0;
+      }
+      xp = reinterpret_cast<const uint32_t*>(padded);
+    }
+    for_tiles(
+        M, G, K, kPanelI8, pairs * 2 * kOut,
+        [&](int64_t g, int nv, uint16_t* panel) { i8_build_panel(w + g * gstride, gstride, pairs, nv, panel); },
+        [&](int mr, int nv, int64_t r, int64_t g, const uint16_t* panel) {
+          Pick<I8Panel, kPanelI8.mr, kPanelI8.nv>::run(mr, nv, xp + r * pairs, pairs, panel, pairs, sp + g * kOut, o, r,
+                                                     g * kOut, n - g * kOut);
+        });
+    return c.out;
+  }
+  const float* xp = reinterpret_cast<const float*>(xsrc);
+  if (Kp != K || x_kind != Kind::f32) {
+    float* x32 = scratch(M * Kp, holder);
+    for (int64_t m = 0; m < M; ++m) row_to_f32(xsrc + m * K * c.x.element_size(), x_kind, K, Kp, x32 + m * Kp);
+    xp = x32;
+  }
+  for_tiles(M, G, K, M == 1 ? kOneRow : kDirect, 0, kNoPrepare, [&](int mr, int nv, int64_t r, int64_t g, const uint16_t*) {
+    if (M == 1)
+      Pick<I8F32, kOneRow.mr, kOneRow.nv>::run(mr, nv, xp + r * Kp, Kp, w + g * gstride, gstride, pairs, sp + g * kOut,
+                                              o, r, g * kOut, n - g * kOut);
+    else
+      Pick<I8F32, kDirect.mr, kDirect.nv>::run(mr, nv, xp + r * Kp, Kp, w + g * gstride, gstride, pairs, sp + g * kOut,
+                                              o, r, g * kOut, n - g * kOut);
+  });
+  return c.out;
+}
+
+// x [..., K] -> [..., n]; packed uint8 [G, K / group, 32 s + 8 group] (records as in Int4Args, s: the
+// size of scale_dtype: float32, bfloat16 or float16); bias [n] or None.
+at::Tensor int4_weight_linear_avx512(const at::Tensor& x_in, const at::Tensor& packed, int64_t n, int64_t group,
+                                     at::ScalarType scale_dtype, const c10::optional<at::Tensor>& bias, int64_t mode) {
+  const char* op = "int4_weight_linear_avx512";
+  Call c = begin_call(x_in, packed, n, bias, op);
+  const int64_t M = c.rows, K = c.K, G = (n + kOut - 1) / kOut;
+  TORCH_CHECK(group > 0 && group % kI4Block == 0 && K % group == 0, op, ": group ", group,
+              " must be a multiple of 8 dividing in_features ", K);
+  const int64_t groups = K / group;
+  const Kind sz_kind = kind_of(scale_dtype, op);
+  const int64_t sz_bytes = sz_kind == Kind::f32 ? 4 : 2, sz_head = 2 * kOut * sz_bytes;
+  const int64_t qstride = sz_head + group / kI4Block * kOut * 4;
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.size(0) == G &&
+                  packed.size(1) == groups && packed.size(2) == qstride,
+              op, ": packed must be uint8 [", G, ", ", groups, ", ", qstride, "] for ", n, " outputs, ", K,
+              " features, group ", group, " and ", scale_dtype, " scales");
+  const bool bf16_path = use_bf16_path(c.x, M, mode, 1, op);
+  if (M == 0 || n == 0) return c.out;
+  const OutView o = c.o;
+  const Kind x_kind = kind_of(c.x.scalar_type(), op);
+  // Scratch: per row the sums of x per quantization group, then the fp32 path's fp32 copy of x (unless x
+  // is fp32 already) or the bf16 path's pairs of x; then one fp32 row for the bf16 path's sums.
+  const bool need_x32 = !bf16_path && x_kind != Kind::f32;
+  const int64_t row_words = groups + (bf16_path ? K / 2 : need_x32 ? K : 0);
+  at::Tensor holder;
+  float* xsum = scratch(M * row_words + (bf16_path ? K : 0), holder);
+  float* row32 = xsum + M * row_words;
+  const int64_t esize = c.x.element_size();
+  for (int64_t m = 0; m < M; ++m) {
+    const char* src = static_cast<const char*>(c.x.data_ptr()) + m * K * esize;
+    float* dst = xsum + m * row_words + groups;
+    const float* x32 = need_x32 ? dst : bf16_path ? row32 : reinterpret_cast<const float*>(src);
+    if (need_x32 || bf16_path) row_to_f32(src, x_kind, K, K, const_cast<float*>(x32));
+    group_sums(x32, groups, group, xsum + m * row_words);
+    if (bf16_path) {  // word 4b + t = (x[8b + t], x[8b + 4 + t])
+      uint32_t* pairs = reinterpret_cast<uint32_t*>(dst);
+      const uint16_t* xb = reinterpret_cast<const uint16_t*>(src);
+      for (int64_t b = 0; b < K / kI4Block; ++b) {
+        const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(xb + b * kI4Block));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(pairs + 4 * b), _mm_unpacklo_epi16(v, _mm_srli_si128(v, 8)));
+      }
+    }
+  }
+  const Int4Args a{packed.data_ptr<uint8_t>(), groups * qstride, qstride, sz_head, sz_kind, sz_bytes, xsum, row_words,
+                   groups, group / kI4Block};
+  auto at_tile = [&](int64_t r, int64_t g) {
+    Int4Args t = a;
+    t.w += g * a.gstride;
+    t.xsum += r * row_words;
+    return t;
+  };
+  if (bf16_path) {
+    const uint32_t* xp = reinterpret_cast<const uint32_t*>(xsum + groups);
+    const Blocking blk = M == 1 ? kOneRow : kDirect;
+    for_tiles(M, G, K, blk, 0, kNoPrepare, [&](int mr, int nv, int64_t r, int64_t g, const uint16_t*) {
+      if (M == 1)
+        Pick<I4Bf16, kOneRow.mr, kOneRow.nv>::run(mr, nv, xp + r * row_words, row_words, at_tile(r, g), o, r, g * kOut,
+                                                 n - g * kOut);
+      else
+        Pick<I4Bf16, kDirect.mr, kDirect.nv>::run(mr, nv, xp + r * row_words, row_words, at_tile(r, g), o, r, g * kOut,
+                                                 n - g * kOut);
+    });
+  } else {
+    const float* xp = need_x32 ? xsum + groups : c.x.data_ptr<float>();
+    const int64_t ldx = need_x32 ? row_words : K;
+    const Blocking blk = M == 1 ? kOneRow : kDirect;
+    for_tiles(M, G, K, blk, 0, kNoPrepare, [&](int mr, int nv, int64_t r, int64_t g, const uint16_t*) {
+      if (M == 1)
+        Pick<I4F32, kOneRow.mr, kOneRow.nv>::run(mr, nv, xp + r * ldx, ldx, at_tile(r, g), o, r, g * kOut, n - g * kOut);
+      else
+        Pick<I4F32, kDirect.mr, kDirect.nv>::run(mr, nv, xp + r * ldx, ldx, at_tile(r, g), o, r, g * kOut, n - g * kOut);
+    });
+  }
+  return c.out;
+}
+
+bool quant_avx512_available() { return cpu_has_avx512(); }
+bool quant_avx512_bf16_available() { return cpu_has_avx512_bf16(); }
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(llmserve_cpu, m) {
+  m.def("quant_avx512_available() -> bool", &quant_avx512_available);
+  m.def("quant_avx512_bf16_available() -> bool", &quant_avx512_bf16_available);
+  m.def("int8_weight_linear_avx512(Tensor x, Tensor packed, Tensor scale, int n, Tensor? bias=None, int mode=0) -> Tensor",
+        &int8_weight_linear_avx512);
+  m.def("int4_weight_linear_avx512(Tensor x, Tensor packed, int n, int group, ScalarType scale_dtype, Tensor? bias=None, "
+        "int mode=0) -> Tensor",
+        &int4_weight_linear_avx512);
+}
