@@ -58,6 +58,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--moe-experts", choices=MOE_EXPERT_KERNELS, default="auto",
                    help="MoE routed experts: a loop over experts, or grouped GEMMs with no host sync "
                    "(auto: grouped on CUDA without quantization)")
+    g.add_argument("--enable-deterministic-inference", action="store_true",
+                   help="a request's outputs do not depend on the other requests in its step (batch-invariant "
+                   "fp32 linears, attention row by row, MoE loop); slower prefill")
     g.add_argument("--enable-two-batch-overlap", action="store_true",
                    help="run large steps as two micro-batches, each one's tensor-parallel all-reduce "
                    "overlapping the other's compute")
@@ -92,6 +95,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         cpu_quant_kernel=args.cpu_quant_kernel,
         mla_decode=getattr(args, "mla_decode", "absorbed"),
         moe_experts=getattr(args, "moe_experts", "auto"),
+        deterministic_inference=getattr(args, "enable_deterministic_inference", False),
         enable_two_batch_overlap=getattr(args, "enable_two_batch_overlap", False),
         tbo_min_tokens=getattr(args, "tbo_min_tokens", 1024),
         disable_cuda_graph=getattr(args, "disable_cuda_graph", False),

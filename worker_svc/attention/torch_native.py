@@ -8,6 +8,11 @@ with AVX2 the runner picks ``decode_impl="avx2"``: the same fp32 arithmetic in o
 (kernels/csrc/decode_attention_avx2.cpp) that reads each request's slots in place, instead of ~10 small
 torch ops per layer. SDPA stays selectable (``decode_impl="sdpa"``) and the tests hold the three
 equal. Extend runs one SDPA per request with a causal mask offset by the cached prefix.
+
+``row_wise`` (--enable-deterministic-inference): extend computes each new token's attention on its own,
+as decode computes a request's one token (the AVX2 kernel where the host has it, else a loop of small
+matmuls), so a token's attention rounds alike whatever else its step holds: how many of its request's
+tokens, and which other requests. SDPA's kernel rounds a row by the block of rows and keys around it.
 """
 
 from __future__ import annotations
@@ -37,17 +42,20 @@ def _mha_pool(batch: ForwardBatch) -> MHAKVPool:
 class TorchNativeAttentionBackend:
     kind: Literal["mha"] = "mha"
 
-    def __init__(self, decode_impl: str = "grouped_matmul", cpu_ops=None) -> None:
-        """``cpu_ops``: ``layers.cpu_ext.load()``'s kernels, required by ``decode_impl="avx2"``."""
+    def __init__(self, decode_impl: str = "grouped_matmul", cpu_ops=None, row_wise: bool = False) -> None:
+        """``cpu_ops``: ``layers.cpu_ext.load()``'s kernels, required by ``decode_impl="avx2"``.
+        ``row_wise``: every query row attends on its own, in extend and decode (deterministic inference)."""
         if decode_impl not in DECODE_IMPLS:
             raise ValueError(f"decode_impl must be one of {', '.join(DECODE_IMPLS)}, got {decode_impl!r}")
         if decode_impl == "avx2" and cpu_ops is None:
             raise ValueError("decode_impl 'avx2' needs the CPU kernels (layers.cpu_ext.load())")
         self.decode_impl = decode_impl
         self.cpu_ops = cpu_ops
-        self._decode = {"grouped_matmul": self._decode_grouped, "sdpa": self._decode_sdpa, "avx2": self._decode_avx2}[
-            decode_impl
-        ]
+        self.row_wise = row_wise
+        if row_wise and decode_impl != "avx2":
+            decode_impl = "row_wise"
+        self._decode = {"grouped_matmul": self._decode_grouped, "sdpa": self._decode_sdpa, "avx2": self._decode_avx2,
+                        "row_wise": self._decode_row_wise}[decode_impl]
 
     def prepare(self, batch: ForwardBatch) -> None:
         batch.attn_metadata = prepare_metadata(batch)
@@ -59,7 +67,10 @@ class TorchNativeAttentionBackend:
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch
     ) -> torch.Tensor:
         _mha_pool(batch).store(layer.layer_id, batch.out_slots, k, v)
-        out = self._decode(q, layer, batch) if batch.mode is ForwardMode.DECODE else self._extend(q, k, v, layer, batch)
+        if batch.mode is ForwardMode.DECODE:
+            out = self._decode(q, layer, batch)
+        else:
+            out = self._extend_row_wise(q, layer, batch) if self.row_wise else self._extend(q, k, v, layer, batch)
         return out.reshape(q.shape[0], layer.num_heads * layer.head_dim)
 
     @staticmethod
@@ -83,6 +94,41 @@ class TorchNativeAttentionBackend:
         return self.cpu_ops.decode_attention(
             q.contiguous(), k_buf, v_buf, meta.slot_index, meta.seq_lens, layer.scaling
         )
+
+    def _decode_row_wise(self, q: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch) -> torch.Tensor:
+        meta: DecodeMetadata = batch.attn_metadata
+        k_buf, v_buf = _mha_pool(batch).buffers(layer.layer_id)
+        return self._attend_rows(q, k_buf, v_buf, meta.slot_index, meta.seq_lens, layer)
+
+    def _extend_row_wise(self, q: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch) -> torch.Tensor:
+        """Each new token as a decode of its own: token j of a request with prefix p attends to the
+        request's first p + j + 1 slots (its own K/V were stored before)."""
+        meta: ExtendMetadata = batch.attn_metadata
+        k_buf, v_buf = _mha_pool(batch).buffers(layer.layer_id)
+        out = torch.empty_like(q)
+        for i, (start, row) in enumerate(zip(meta.token_offsets, batch.req_rows.tolist(), strict=True)):
+            prefix, seq = batch.prefix_lens[i], batch.seq_lens[i]
+            slots = batch.req_to_token[row, :seq].expand(seq - prefix, seq).contiguous()  # [extend, seq]
+            lens = torch.arange(prefix + 1, seq + 1, dtype=torch.int64, device=q.device)
+            out[start:start + seq - prefix] = self._attend_rows(q[start:start + seq - prefix], k_buf, v_buf, slots,
+                                                                lens, layer)
+        return out
+
+    def _attend_rows(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, slots: torch.Tensor,
+                     lens: torch.Tensor, layer: AttentionLayer) -> torch.Tensor:
+        """q [rows, q_heads, head_dim]: row r attends to slots[r, :lens[r]] alone -> [rows, q_heads, head_dim]."""
+        if self.cpu_ops is not None:
+            return self.cpu_ops.decode_attention(q.contiguous(), k_buf, v_buf, slots, lens, layer.scaling)
+        groups = layer.num_heads // layer.num_kv_heads
+        out = torch.empty_like(q)
+        for r, length in enumerate(lens.tolist()):
+            keys = k_buf[slots[r, :length]].float()  # [len, kv_heads, head_dim]
+            values = v_buf[slots[r, :length]].float()
+            query = q[r].view(layer.num_kv_heads, groups, layer.head_dim).float()
+            scores = torch.matmul(query, keys.permute(1, 2, 0)) * layer.scaling  # [kv_heads, groups, len]
+            row = torch.matmul(torch.softmax(scores, dim=-1), values.transpose(0, 1))  # [kv_heads, groups, dim]
+            out[r] = row.reshape(layer.num_heads, layer.head_dim).to(q.dtype)
+        return out
 
     @staticmethod
     def _decode_sdpa(q: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch) -> torch.Tensor:

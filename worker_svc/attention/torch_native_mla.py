@@ -21,6 +21,7 @@ from worker_svc.attention.base import MLAAttentionLayer
 from worker_svc.attention.metadata import DecodeMetadata, ExtendMetadata, prepare_decode_fixed, prepare_metadata
 from worker_svc.config.engine_config import MLA_DECODE_MODES
 from worker_svc.forward_batch import ForwardBatch, ForwardMode
+from worker_svc.kernels.row_stable import pad_rows
 from worker_svc.kvcache import MLAKVPool
 
 
@@ -35,10 +36,16 @@ def _latent_pool(batch: ForwardBatch) -> MLAKVPool:
 class TorchNativeMLABackend:
     kind: Literal["mla"] = "mla"
 
-    def __init__(self, mla_decode: str = "absorbed") -> None:
+    def __init__(self, mla_decode: str = "absorbed", row_wise: bool = False,
+                 row_padding: tuple[int, ...] | None = None) -> None:
+        """``row_wise`` (deterministic inference): every query row attends on its own, in extend and
+        decode. ``row_padding``: the host's fp32 row padding (kernels/row_stable.py) for absorbed decode's
+        per-head GEMMs over the batch."""
         if mla_decode not in MLA_DECODE_MODES:
             raise ValueError(f"mla_decode must be one of {', '.join(MLA_DECODE_MODES)}, got {mla_decode!r}")
         self.mla_decode = mla_decode
+        self.row_wise = row_wise
+        self.row_padding = row_padding
 
     def prepare(self, batch: ForwardBatch) -> None:
         batch.attn_metadata = prepare_metadata(batch)
@@ -77,11 +84,27 @@ class TorchNativeMLABackend:
             end = start + batch.seq_lens[i] - batch.prefix_lens[i]
             slots = meta.context_slots[i]
             keys, values = self._keys_values(latent[start:end] if slots is None else buf[slots], layer)
+            if self.row_wise:
+                out[start:end] = self._attend_rows(query[start:end], keys, values, batch.prefix_lens[i], layer)
+                continue
             result = F.scaled_dot_product_attention(
                 query[start:end].transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
                 attn_mask=meta.masks[i], is_causal=slots is None, scale=layer.scaling,
             )
             out[start:end] = result.transpose(0, 1)
+        return out
+
+    @staticmethod
+    def _attend_rows(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, prefix: int,
+                     layer: MLAAttentionLayer) -> torch.Tensor:
+        """Extend row by row: query [extend, heads, qk_head], keys/values [seq, heads, *] of the whole
+        context; new token j attends to the first prefix + j + 1 -> [extend, heads, v_head_dim]."""
+        out = query.new_empty(query.shape[0], layer.num_heads, layer.v_head_dim)
+        for j in range(query.shape[0]):
+            length = prefix + j + 1
+            scores = torch.matmul(query[j, :, None], keys[:length].permute(1, 2, 0)) * layer.scaling  # [heads, 1, len]
+            out[j] = torch.matmul(torch.softmax(scores.float(), dim=-1).to(values.dtype),
+                                  values[:length].transpose(0, 1))[:, 0]  # [heads, v_head_dim]
         return out
 
     @staticmethod
@@ -97,13 +120,23 @@ class TorchNativeMLABackend:
         ctx = _latent_pool(batch).buffer(layer.layer_id)[meta.slot_index].float()  # [batch, len, kv_lora + rope]
         w_uk, w_uv = layer.absorbed_weights()
         # q_nope . (W_UK c) == (W_UK^T q_nope) . c: one query of width kv_lora + rope per head.
-        q_latent = torch.bmm(q_nope.float().transpose(0, 1), w_uk.float()).transpose(0, 1)  # [batch, heads, kv_lora]
+        bsz = q_nope.shape[0]
+        q_rows = pad_rows(q_nope.float(), self.row_padding)  # [batch (+pad), heads, nope]
+        q_latent = torch.bmm(q_rows.transpose(0, 1), w_uk.float()).transpose(0, 1)[:bsz]  # [batch, heads, kv_lora]
         query = torch.cat((q_latent, q_pe.float()), dim=-1)
-        scores = torch.matmul(query, ctx.transpose(1, 2)) * layer.scaling  # [batch, heads, len]
-        probs = self._softmax(scores, meta)
-        out_latent = torch.matmul(probs, ctx[..., : layer.kv_lora_rank])  # [batch, heads, kv_lora]
-        out = torch.bmm(out_latent.transpose(0, 1), w_uv.float().transpose(1, 2))  # [heads, batch, v]
-        return out.transpose(0, 1).to(q_nope.dtype)
+        if self.row_wise:  # each request over its own length: the padded length depends on the others
+            out_latent = torch.stack([
+                torch.softmax(torch.matmul(query[b], ctx[b, :length].T) * layer.scaling, dim=-1)
+                @ ctx[b, :length, : layer.kv_lora_rank]
+                for b, length in enumerate(meta.seq_lens.tolist())
+            ])  # [batch, heads, kv_lora]
+        else:
+            scores = torch.matmul(query, ctx.transpose(1, 2)) * layer.scaling  # [batch, heads, len]
+            probs = self._softmax(scores, meta)
+            out_latent = torch.matmul(probs, ctx[..., : layer.kv_lora_rank])  # [batch, heads, kv_lora]
+        out_rows = pad_rows(out_latent, self.row_padding)  # [batch (+pad), heads, kv_lora]
+        out = torch.bmm(out_rows.transpose(0, 1), w_uv.float().transpose(1, 2))  # [heads, batch (+pad), v]
+        return out.transpose(0, 1)[:bsz].to(q_nope.dtype)
 
     def _decode_normal(
         self, q_nope: torch.Tensor, q_pe: torch.Tensor, layer: MLAAttentionLayer, batch: ForwardBatch
@@ -116,6 +149,12 @@ class TorchNativeMLABackend:
         keys = keys.view(bsz, max_len, layer.num_heads, -1).float()
         values = values.view(bsz, max_len, layer.num_heads, -1).float()
         query = torch.cat((q_nope, q_pe), dim=-1).float()  # [batch, heads, qk_head]
+        if self.row_wise:  # each request over its own length: the padded length depends on the others
+            rows = []
+            for b, n in enumerate(meta.seq_lens.tolist()):
+                scores = torch.einsum("hd,lhd->hl", query[b], keys[b, :n]) * layer.scaling  # [heads, len]
+                rows.append(torch.einsum("hl,lhd->hd", torch.softmax(scores, dim=-1), values[b, :n]))
+            return torch.stack(rows).to(q_nope.dtype)  # [batch, heads, v_head_dim]
         scores = torch.einsum("bhd,blhd->bhl", query, keys) * layer.scaling
         probs = self._softmax(scores, meta)
         return torch.einsum("bhl,blhd->bhd", probs, values).to(q_nope.dtype)

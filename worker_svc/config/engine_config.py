@@ -59,6 +59,11 @@ class EngineConfig:
     # GEMMs with no host sync ("grouped", unquantized experts only). "auto": grouped on CUDA without
     # quantization, loop elsewhere.
     moe_experts: str = "auto"
+    # Deterministic inference (sglang's --enable-deterministic-inference): a request's numbers do not
+    # depend on what shares its step. fp32 linears pad few rows to the host's stable row counts
+    # (kernels/row_stable.py), attention computes every query row on its own (extend like decode), MoE
+    # experts run as a loop. Costs prefill speed (attention is no longer one GEMM per request).
+    deterministic_inference: bool = False
 
     # Two-batch overlap (executor/two_batch.py): steps of at least tbo_min_tokens tokens and two or
     # more requests run as two micro-batches whose all-reduces overlap the other's compute. The default
@@ -86,6 +91,8 @@ class EngineConfig:
             raise ValueError(f"--mla-decode must be one of {', '.join(MLA_DECODE_MODES)}")
         if self.moe_experts not in MOE_EXPERT_KERNELS:
             raise ValueError(f"--moe-experts must be one of {', '.join(MOE_EXPERT_KERNELS)}")
+        if self.deterministic_inference and self.moe_experts == "grouped":
+            raise ValueError("--enable-deterministic-inference runs MoE experts as a loop; drop --moe-experts grouped")
         if self.tbo_min_tokens < 2:
             raise ValueError("--tbo-min-tokens must be at least 2 (a split needs two micro-batches)")
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs <= 0:

@@ -1,6 +1,6 @@
 """Kernel policy: which matmul kernel the bf16 linears get, whether RMSNorm and decode attention run
 this project's AVX2 kernels (kernels/csrc), which kernels quantized layers use (AVX-512, AVX2 or aten's),
-how MoE experts run.
+how MoE experts run, and whether fp32 linears pad few rows to round like many (kernels/row_stable.py).
 Chosen once, before any weight is read, from the EngineConfig, the model kind and the device (one
 ``KernelPlan``, logged once), then applied to the loaded model."""
 
@@ -25,9 +25,10 @@ from worker_svc.kernels.bf16_linear import (
     cpu_has_native_bf16,
     fbgemm_available,
 )
+from worker_svc.kernels.row_stable import RowStableLinear, probe_row_padding
 from worker_svc.layers.embedding import ParallelLMHead
 from worker_svc.layers.linear import KernelLinear, embedding_parameter_ids, release_weight
-from worker_svc.layers.moe import DeepseekMoE
+from worker_svc.layers.moe import DeepseekMoE, TopKRouter
 from worker_svc.layers.norm import RMSNorm
 
 log = structlog.get_logger(__name__)
@@ -44,6 +45,11 @@ class KernelPlan:
     quant_ops: object | None  # this project's kernels for quantized CPU layers, None for aten's (or no quantization)
     moe_experts: str = "loop"  # MoE models: "loop" | "grouped" (layers/moe.py)
     quant_kernel: str | None = None  # quantized on the CPU: "avx512" | "avx2" | "aten"; None without quantization
+    # --enable-deterministic-inference: attention computes each query row on its own; on the CPU, where the
+    # host's sgemm rounds a few rows differently from many (kernels/row_stable.py), the row counts to pad an
+    # fp32 linear's input to (None where every count already rounds alike, or not deterministic).
+    deterministic: bool = False
+    fp32_row_padding: tuple[int, ...] | None = None
 
     @property
     def attention_decode(self) -> str:
@@ -63,6 +69,8 @@ class KernelPlan:
         }
         if self.quant_kernel is not None:
             plan["quant_kernel"] = self.quant_kernel
+        if self.deterministic:
+            plan["deterministic"] = "fp32 linears row_stable" if self.fp32_row_padding else "on"
         return plan
 
 
@@ -126,7 +134,8 @@ def _moe_experts(engine_config: EngineConfig, quant: QuantConfig, device: torch.
     if choice == "auto":
         # On CUDA the loop's per-layer host sync stalls the queue; on the CPU it costs nothing and the
         # loop runs each expert's GEMM on contiguous rows without the grouped GEMM's fallback.
-        return "grouped" if device.type == "cuda" and quant.method == "none" else "loop"
+        grouped = device.type == "cuda" and quant.method == "none" and not engine_config.deterministic_inference
+        return "grouped" if grouped else "loop"
     return choice
 
 
@@ -147,6 +156,9 @@ def choose_kernels(
         quant_ops=quant_ops,
         moe_experts=_moe_experts(engine_config, quant, device),
         quant_kernel=quant_kernel,
+        deterministic=engine_config.deterministic_inference,
+        fp32_row_padding=(probe_row_padding(device)
+                          if engine_config.deterministic_inference and on_cpu and dtype == torch.float32 else None),
     )
     log.info("kernel plan", **plan.describe())
     return plan
@@ -159,6 +171,12 @@ def apply_kernels(model: nn.Module, plan: KernelPlan) -> None:
             if isinstance(module, DeepseekMoE):
                 module.use_grouped_experts()
     _apply_linear_kernels(model, plan.bf16_linear, plan.cpu_ops)
+    if plan.fp32_row_padding is not None:
+        row_stable = RowStableLinear(plan.fp32_row_padding)
+        for module in model.modules():
+            unquantized = not getattr(module, "quantized", False)  # the router has no quantized form
+            if isinstance(module, (KernelLinear, ParallelLMHead, TopKRouter)) and unquantized:
+                module.kernel = row_stable
     for module in model.modules():
         if isinstance(module, RMSNorm):
             module.cpu_ops = plan.cpu_ops
@@ -195,5 +213,5 @@ def _apply_linear_kernels(model: nn.Module, choice: str, cpu_ops: object | None)
 
 def attention_backend(plan: KernelPlan) -> StepAttentionBackend:
     if plan.mla:
-        return TorchNativeMLABackend(plan.mla_decode)
-    return TorchNativeAttentionBackend(plan.attention_decode, plan.cpu_ops)
+        return TorchNativeMLABackend(plan.mla_decode, row_wise=plan.deterministic, row_padding=plan.fp32_row_padding)
+    return TorchNativeAttentionBackend(plan.attention_decode, plan.cpu_ops, row_wise=plan.deterministic)

@@ -11,7 +11,7 @@ Per layer (A and B the micro-batches; "start" issues the all-reduce, "wait" comp
 so at most two all-reduces are in flight, and each has the other micro-batch's stage to complete in.
 The models only expose the stages (models/decoder.py: ``attention_stage`` / ``mlp_stage`` return
 un-reduced partial sums); this module is the one place that orders them. The embedding's reduction and
-the LM head's gather stay synchronous.
+the LM head runs once, on both micro-batches' final rows.
 
 The split is a pure function of the StepInput and the engine config, so every TP rank splits the
 broadcast step the same way with no protocol change. It cuts the step's tokens where the two halves'
@@ -109,8 +109,10 @@ def forward_two_batch(model: CausalLM, tp: TPContext, a: ForwardBatch, b: Forwar
     assert residual_a is not None and residual_b is not None
     pending_a.wait()
     pending_b.wait()
-    logits_a = model.logits(decoder.finish(hidden_a, residual_a), a)
+    rows_a = model.logit_rows(decoder.finish(hidden_a, residual_a), a)
     if cut_request and not a.all_logits:
-        logits_a = logits_a[:-1]
-    logits_b = model.logits(decoder.finish(hidden_b, residual_b), b)
-    return torch.cat([logits_a, logits_b])  # [batch (or tokens), vocab]
+        rows_a = rows_a[:-1]
+    rows_b = model.logit_rows(decoder.finish(hidden_b, residual_b), b)
+    # One LM-head GEMM over both halves' rows: its weight (the largest) is read once, and each row is
+    # computed in the same GEMM as without the split.
+    return model.lm_head.logits(torch.cat([rows_a, rows_b]))  # [batch (or tokens), vocab]

@@ -31,6 +31,8 @@ from worker_svc.parallel.context import TPContext
 class TopKRouter(nn.Module):
     """``mlp.gate``: scores = softmax(x W^T) in fp32, then top-k experts per token."""
 
+    kernel = staticmethod(F.linear)  # swappable like KernelLinear's (the runner's fp32 kernel)
+
     def __init__(self, hidden_size: int, fields: DeepseekV2Fields) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(fields.n_routed_experts, hidden_size), requires_grad=False)
@@ -39,7 +41,7 @@ class TopKRouter(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (weights [tokens, top_k] fp32, expert ids [tokens, top_k])."""
         f = self.fields
-        scores = F.linear(x.float(), self.weight.float()).softmax(dim=-1)  # [tokens, experts]
+        scores = self.kernel(x.float(), self.weight.float(), None).softmax(dim=-1)  # [tokens, experts]
         if f.topk_method == "group_limited_greedy":
             n_group, topk_group = f.n_group, f.topk_group
             assert n_group is not None and topk_group is not None  # the config requires both for this method

@@ -125,10 +125,15 @@ class CausalLM(nn.Module):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
+    def logit_rows(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """Final hidden [tokens, hidden] -> the rows that get logits: each request's final token
+        [batch, hidden] (every token with all_logits)."""
+        return hidden[batch.logit_indices()]
+
     def logits(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Final hidden [tokens, hidden] -> float32 logits [batch, vocab] at each request's final token
         ([tokens, vocab] with all_logits), gathered over the vocab shards."""
-        return self.lm_head.logits(hidden[batch.logit_indices()])
+        return self.lm_head.logits(self.logit_rows(hidden, batch))
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         return self.logits(self.model(batch), batch)
