@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 import structlog
+import torch
 from google.protobuf import json_format
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from smg_grpc_proto import sglang_scheduler_pb2 as pb
@@ -344,6 +345,11 @@ def test_server_info(stub):
     assert sched["kv_cache_bytes"] >= POOL * sched["kv_bytes_per_token"]
     assert sched["weight_bytes"] > 0 and sched["dtype"] == "float32"
     assert sched["max_running_requests"] == WORKER_ENGINE["max_running_requests"]
+    # The start-up kernel plan (executor/kernel_choice.py), as the log has it.
+    kernels = sched["kernels"]
+    assert kernels["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert kernels["attention"] == "torch_native" and kernels["bf16_linear"] == "aten"  # an fp32 model
+    assert kernels["rms_norm"] in ("avx2", "torch") and "deterministic" not in kernels
     args = json_format.MessageToDict(info.server_args)
     assert args["model_path"] == "" and args["tp_size"] == 1
     assert args["chunked_prefill_size"] == WORKER_ENGINE["chunked_prefill_size"]
