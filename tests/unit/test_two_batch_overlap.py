@@ -2,8 +2,8 @@
 requests; overlap on gives overlap off's fp32 logits bit for bit (deterministic inference, see below) and
 greedy tokens at TP=1 and at TP=2 on shared memory and on gloo, for Llama and DeepSeek-V2 (MLA, MoE),
 over chunked prefill with requests sitting steps out and decode; an engine with requests joining and
-finishing in mixed steps produces the same tokens; and the collective observer's timestamps prove the overlap: in every layer
-A's all-reduce was issued before B's stage began and waited on only after it ended.
+finishing in mixed steps produces the same tokens; and the collective observer's timestamps prove the
+overlap: in every layer A's all-reduce was issued before B's stage began and waited on only after it ended.
 
 TP=2 ranks are threads of this process (tests/ranks.py), each with its own gloo group and its own
 mapping of one shared-memory segment.
