@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from llmserve.bench.driver import StaticBatch
+from llmserve.modelgen.presets import yarn_rope_scaling
 from tests.ranks import gloo_groups, on_ranks, shm_communicators
 from tests.unit.oracle import encode_prompts
 from worker_svc.config.engine_config import EngineConfig
@@ -143,6 +144,31 @@ def test_overlap_matches_sequential_at_tp1(models, name, shape):
     prompts, chunk = (_prompts(models[name]), 5) if shape == "requests" else (_long_prompt(models[name]), 40)
     off_logits, off_tokens = _drive(_runner(models[name], TPContext(), False), prompts, chunk)
     on_logits, on_tokens = _drive(_runner(models[name], TPContext(), True), prompts, chunk)
+    assert on_tokens == off_tokens
+    for on, off in zip(on_logits, off_logits, strict=True):
+        torch.testing.assert_close(on, off, rtol=0, atol=ATOL)
+
+
+# The oracle tests' other hidden-size, head and routing variants (test_llama_oracle / test_deepseek_oracle).
+VARIANTS = {
+    "llama-small": ("small", "llama", {}),
+    "llama-head_dim": ("tiny", "llama", {"head_dim": 32}),
+    "deepseek_v2-small": ("small", "deepseek_v2", {}),
+    "deepseek_v2-yarn_group_limited": ("tiny", "deepseek_v2", {"config_override": {
+        "q_lora_rank": 24, "rope_scaling": yarn_rope_scaling(2048, mscale=1.0, mscale_all_dim=0.8),
+        "topk_method": "group_limited_greedy", "n_group": 4, "topk_group": 2, "routed_scaling_factor": 16.0}}),
+    "deepseek_v2-moe_only": ("tiny", "deepseek_v2", {"config_override": {
+        "first_k_dense_replace": 0, "n_shared_experts": 2, "norm_topk_prob": True}}),
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_overlap_matches_sequential_across_model_variants(model_factory, variant):
+    preset, arch, overrides = VARIANTS[variant]
+    model_dir = model_factory(preset, arch=arch, **overrides)
+    prompts = _prompts(model_dir) + _long_prompt(model_dir)  # the long one gets cut in prefill
+    (off_logits, off_tokens), (on_logits, on_tokens) = (
+        _drive(_runner(model_dir, TPContext(), overlap), prompts, chunk=24) for overlap in (False, True))
     assert on_tokens == off_tokens
     for on, off in zip(on_logits, off_logits, strict=True):
         torch.testing.assert_close(on, off, rtol=0, atol=ATOL)
