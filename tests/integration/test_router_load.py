@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import statistics
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -24,6 +26,7 @@ import grpc
 import pytest
 
 from router.client import AsyncRouterClient
+from tests.conftest import REPO_ROOT
 from tests.integration.test_router import Proc, one_group_cluster
 from tests.procfs import rss_mb
 
@@ -142,3 +145,23 @@ def test_a_burst_of_1000_streams(router: Proc) -> None:
         results = asyncio.run(_burst(router.address))
     _summary("burst", results, rss)
     assert rss.peak < 300
+
+
+def test_the_same_burst_against_a_server_that_only_refuses() -> None:
+    """The control: the same client, connections and burst against a bare grpc.aio server that refuses
+    every call at once (tests/integration/refusing_router.py). Its latency is what the client process
+    and grpc.aio's intake of 1000 calls cost on this host before any router code runs."""
+    control = subprocess.Popen([sys.executable, "-m", "tests.integration.refusing_router"], cwd=REPO_ROOT,
+                               stdout=subprocess.PIPE, text=True)
+    try:
+        assert control.stdout is not None
+        port = int(control.stdout.readline().split()[1])
+        results = asyncio.run(_burst(f"127.0.0.1:{port}"))
+    finally:
+        control.kill()
+        control.wait(timeout=10)
+    codes = {code for code, _ in results}
+    assert codes == {"RESOURCE_EXHAUSTED"}, codes
+    refused_ms = sorted(1e3 * s for _, s in results)
+    print(f"\ncontrol burst: {len(refused_ms)} refused; latency ms: p50 {statistics.median(refused_ms):.0f} "
+          f"p99 {refused_ms[int(0.99 * (len(refused_ms) - 1))]:.0f} max {refused_ms[-1]:.0f}")
