@@ -19,15 +19,17 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-PROBE_ROWS = 32  # row counts probed; from here up the GEMM is assumed row-stable (checked up to REFERENCE_ROWS)
+# Row counts 1..REFERENCE_ROWS are probed against a GEMM of REFERENCE_ROWS rows; from there up the GEMM is
+# taken to round every row alike (on the Zen 4 host every count from 12 up already does).
 REFERENCE_ROWS = 64
 # Layer shapes (out, in) the probe multiplies: narrow and wide, short and long reductions.
 PROBE_SHAPES = ((64, 64), (256, 176), (768, 576), (576, 1536))
 
 
 def probe_row_padding(device: torch.device | str = "cpu") -> tuple[int, ...] | None:
-    """``pad_to[m]`` for m < PROBE_ROWS: the row count to run an m-row fp32 linear at so that its rows
-    equal a REFERENCE_ROWS-row GEMM's; None when no count needs padding."""
+    """``pad_to[m]`` for m < REFERENCE_ROWS: the row count to run an m-row fp32 linear at so that its rows
+    equal a REFERENCE_ROWS-row GEMM's (REFERENCE_ROWS itself always does); None when no count needs
+    padding."""
     generator = torch.Generator().manual_seed(0)
     stable = [True] * (REFERENCE_ROWS + 1)
     for out_features, in_features in PROBE_SHAPES:
@@ -39,12 +41,9 @@ def probe_row_padding(device: torch.device | str = "cpu") -> tuple[int, ...] | N
                 stable[rows] = False
     if all(stable[1:]):
         return None
-    if not all(stable[PROBE_ROWS:]):
-        raise RuntimeError("fp32 GEMM rows depend on the batch beyond the probed row counts")
-    pad_to = [0] * PROBE_ROWS
-    for rows in range(1, PROBE_ROWS):
-        pad_to[rows] = next(m for m in range(rows, REFERENCE_ROWS + 1) if stable[m])
-    return tuple(pad_to)
+    stable[REFERENCE_ROWS] = True  # the reference's own rows
+    return tuple([0] + [next(m for m in range(rows, REFERENCE_ROWS + 1) if stable[m])
+                        for rows in range(1, REFERENCE_ROWS)])
 
 
 class RowStableLinear:
