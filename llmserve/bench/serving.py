@@ -275,6 +275,7 @@ async def run_benchmark(config: BenchConfig, codec: Any | None = None, emit: Any
         channel, security.metadata(), config.request_settings)
     try:
         facts = await _server_facts(target, config)
+        await _wait_serving(channel, config)
         space = token_space(facts, codec)
         text_codec = codec if config.prompt_format == "text" else None
         if text_codec is not None:
@@ -312,6 +313,32 @@ async def _server_facts(target: Target, config: BenchConfig) -> ServerFacts:
             if exc.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() >= deadline:
                 raise BenchError(f"cannot reach the {config.backend} at {config.address}: "
                                  f"{exc.code().name}: {exc.details()}") from None
+        await asyncio.sleep(0.2)
+
+
+async def _wait_serving(channel: Any, config: BenchConfig) -> None:
+    """With --wait-for-server, also wait until the server's grpc.health says SERVING: a router answers
+    GetModelInfo from its tokenizer before its worker groups are up. A server without the health service
+    is taken as ready."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    if not config.wait_for_server:
+        return
+    stub = health_pb2_grpc.HealthStub(channel)
+    deadline = time.monotonic() + config.wait_for_server
+    while True:
+        try:
+            status = (await stub.Check(health_pb2.HealthCheckRequest(), timeout=5)).status
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                return
+            status = None
+        if status == health_pb2.HealthCheckResponse.SERVING:
+            return
+        if time.monotonic() >= deadline:
+            raise BenchError(f"the {config.backend} at {config.address} did not become SERVING within "
+                             f"--wait-for-server {config.wait_for_server:g} s")
         await asyncio.sleep(0.2)
 
 

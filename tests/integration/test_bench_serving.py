@@ -6,6 +6,8 @@ carry the metrics, and the shared-prefix and multi-turn datasets must hit the wo
 from __future__ import annotations
 
 import json
+import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,7 +15,7 @@ import pytest
 
 from llmserve.cli import main as cli_main
 from tests.integration.conftest import WorkerProcess, launch_worker
-from tests.integration.test_router import one_group_cluster
+from tests.integration.test_router import SERVING, _health, one_group_cluster, wait_for
 
 # Room for 4 running requests of ~100 tokens and the cached prefixes beside them.
 ENGINE = dict(max_total_tokens=1024, max_running_requests=4, context_length=256)
@@ -145,3 +147,25 @@ def test_router_ids_and_text_prompts(model_factory, tmp_path: Path) -> None:
         rc, (line,) = bench(router.address, out, "--backend", "router", *MULTI_TURN)
         assert rc == 0
         check_multi_turn(line)
+
+
+def test_wait_for_server_waits_for_serving_not_only_for_an_answer(model_factory, tmp_path: Path, capsys) -> None:
+    """A router answers GetModelInfo (remembered from its worker) while no worker group serves. Regression:
+    --wait-for-server returned then, and the warm-up failed UNAVAILABLE. Now it waits for grpc.health's
+    SERVING: it says so when the wait runs out, and runs once the worker is back."""
+    model = model_factory("tiny")
+    engine = [x for k, v in ENGINE.items() for x in (f"--{k.replace('_', '-')}", str(v))]
+    with one_group_cluster(model, tmp_path, ["--dtype", "float32", *engine]) as (_, worker, router):
+        worker.proc.send_signal(signal.SIGSTOP)  # its health probes time out: the router stops serving
+        wait_for(lambda: _health(router.address) != SERVING, 30, what="router NOT_SERVING")
+        out = tmp_path / "out.jsonl"
+        args = ("--backend", "router", "--num-prompts", "2", "--random-input-len", "8", "--random-output-len", "2",
+                "--random-range-ratio", "1")
+        start = time.monotonic()
+        rc, lines = bench(router.address, out, *args, "--wait-for-server", "3")
+        assert rc != 0 and not lines and time.monotonic() - start >= 3
+        assert "did not become SERVING within --wait-for-server 3 s" in capsys.readouterr().err
+        worker.proc.send_signal(signal.SIGCONT)
+        rc, (line,) = bench(router.address, out, *args, "--wait-for-server", "60")
+        assert rc == 0
+        check_run(line, 2, 2)
