@@ -8,7 +8,10 @@
 # Output: each client's own report, in $OUT (default a temp dir), then a summary.
 #
 #   benchmarks/serving_peers.sh MODEL VLLM_PYTHON [OUT]
+#
+# PARTS (default "vllm ours direct") runs only the parts named: vLLM's server, ours behind smg, router vs worker.
 set -euo pipefail
+parts=" ${PARTS:-vllm ours direct} "
 model=$(realpath "${1:?usage: benchmarks/serving_peers.sh MODEL VLLM_PYTHON [OUT]}")
 vllm_py=${2:?vLLM venv python}
 out=${3:-$(mktemp -d)}
@@ -28,13 +31,14 @@ client() {  # client NAME PORT ARGS...: vLLM's bench_serve against an OpenAI end
     local name=$1 p=$2; shift 2
     "$vllm_py" "$bench_serve" --backend openai --base-url "http://127.0.0.1:$p" --endpoint /v1/completions \
         --model m --tokenizer "$model" --seed 0 "$@" > "$out/$name.txt" 2>&1 || echo "client $name failed" >&2
-    grep -E "Output token throughput|Median TTFT|Median TPOT|Successful requests" "$out/$name.txt" | sed "s/^/$name: /"
+    grep -E "Output token throughput|Median TTFT|Median TPOT|Successful requests" "$out/$name.txt" | sed "s/^/$name: /" || true
 }
 random_args=(--dataset-name random --random-input-len 128 --random-output-len 128 --ignore-eos --num-prompts 64)
 prefix_args=(--dataset-name prefix_repetition --prefix-repetition-prefix-len 512 --prefix-repetition-suffix-len 64
              --prefix-repetition-num-prefixes 4 --prefix-repetition-output-len 32 --num-prompts 64 --max-concurrency 8)
 
 # --- vLLM-CPU (started once; minutes) ---
+if [[ $parts == *" vllm "* ]]; then
 vport=$(port)
 VLLM_CPU_KVCACHE_SPACE=2 VLLM_CPU_OMP_THREADS_BIND=0-1 "$vllm_py" -m vllm.entrypoints.openai.api_server \
     --model "$model" --dtype bfloat16 --max-model-len 1024 --max-num-seqs 64 --host 127.0.0.1 --port "$vport" \
@@ -44,6 +48,7 @@ wait_http "$vport" || { echo "vLLM server did not come up (log: $out/vllm_server
 for c in 16 64; do client "vllm_random_c$c" "$vport" "${random_args[@]}" --max-concurrency "$c"; done
 client vllm_prefix "$vport" "${prefix_args[@]}"
 kill "$vllm_pid"; wait "$vllm_pid" 2>/dev/null || true
+fi
 
 # --- ours: worker (+ smg), radix cache on, then off for the prefix workload ---
 ours() {  # ours TAG EXTRA_WORKER_FLAGS...: start worker + smg, run the clients, stop
@@ -63,8 +68,11 @@ ours() {  # ours TAG EXTRA_WORKER_FLAGS...: start worker + smg, run the clients,
     client "ours_prefix_$tag" "$gport" "${prefix_args[@]}"
     kill "$gpid" "$wpid"; wait "$gpid" "$wpid" 2>/dev/null || true
 }
-ours cache
-ours nocache --disable-radix-cache
+if [[ $parts == *" ours "* ]]; then
+    ours cache
+    ours nocache --disable-radix-cache
+fi
+[[ $parts == *" direct "* ]] || { echo "reports in $out"; exit 0; }
 
 # --- router against the worker directly (llmserve bench-serving, interleaved), the same prompts ---
 wport=$(port); tport=$(port); rport=$(port)
@@ -85,7 +93,7 @@ for c in 16 64; do
                 --wait-for-server 300 --dataset random --random-input-len 128 --random-output-len 128 \
                 --random-range-ratio 1 --num-prompts 64 --max-concurrency "$c" --output-file "$out/$name.jsonl" \
                 > "$out/$name.txt" 2>&1 || echo "bench-serving $name failed" >&2
-            grep -E "Output token throughput|Median TTFT" "$out/$name.txt" | sed "s/^/$name: /"
+            grep -E "Output token throughput|Median TTFT" "$out/$name.txt" | sed "s/^/$name: /" || true
         done
     done
 done
