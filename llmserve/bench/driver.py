@@ -41,6 +41,20 @@ class StaticBatch:
         ]
         return self._step(ForwardMode.EXTEND, ids, positions, [len(p) for p in pieces], rows, all_logits)
 
+    def prefill_in_chunks(self, prompts: list[list[int]], chunk: int) -> torch.Tensor:
+        """Prefill request i with ``prompts[i]``, ``chunk`` tokens per step (prompts already done sit
+        later steps out); returns each prompt's final-token logits [B, V]."""
+        final: list[torch.Tensor | None] = [None] * len(prompts)
+        for start in range(0, max(len(p) for p in prompts), chunk):
+            live = [i for i, p in enumerate(prompts) if start < len(p)]
+            logits = self.extend([prompts[i][start : start + chunk] for i in live], only=live)
+            for j, i in enumerate(live):
+                if start + chunk >= len(prompts[i]):
+                    final[i] = logits[j]
+        done = [f for f in final if f is not None]
+        assert len(done) == len(final), "every prompt ends in some chunk"
+        return torch.stack(done)
+
     def decode(self, token_ids: torch.Tensor) -> torch.Tensor:
         positions = list(self.seq_lens)
         everyone = list(range(len(self.rows)))
@@ -79,16 +93,7 @@ def chunked_prefill_logits(runner: StepRunner, prompts: list[list[int]], chunk: 
     returns each prompt's final-token logits [B, V]."""
     batch = StaticBatch(runner, len(prompts))
     try:
-        final: list[torch.Tensor | None] = [None] * len(prompts)
-        for start in range(0, max(len(p) for p in prompts), chunk):
-            live = [i for i, p in enumerate(prompts) if start < len(p)]
-            logits = batch.extend([prompts[i][start : start + chunk] for i in live], only=live)
-            for j, i in enumerate(live):
-                if start + chunk >= len(prompts[i]):
-                    final[i] = logits[j]
-        done = [f for f in final if f is not None]
-        assert len(done) == len(final), "every prompt ends in some chunk"
-        return torch.stack(done)
+        return batch.prefill_in_chunks(prompts, chunk)
     finally:
         batch.release()
 

@@ -61,24 +61,13 @@ def test_the_probe_pads_only_upwards_to_stable_counts():
 def _final_logits(runner: ModelRunner, prompts: list[list[int]], chunk: int, decode_steps: int = 4) -> list:
     """Per request: the logits after prefill (in chunks of ``chunk``) and after each greedy decode step."""
     batch = StaticBatch(runner, len(prompts))
-    per_request: list[list[torch.Tensor]] = [[] for _ in prompts]
     try:
-        last: list[torch.Tensor | None] = [None] * len(prompts)
-        for start in range(0, max(len(p) for p in prompts), chunk):
-            live = [i for i, p in enumerate(prompts) if start < len(p)]
-            logits = batch.extend([prompts[i][start:start + chunk] for i in live], only=live)
-            for j, i in enumerate(live):
-                last[i] = logits[j]
-        current = torch.stack([t for t in last if t is not None])
-        for i in range(len(prompts)):
-            per_request[i].append(current[i])
+        steps = [batch.prefill_in_chunks(prompts, chunk)]  # [B, V] each
         for _ in range(decode_steps):
-            current = batch.decode(current.argmax(dim=-1))
-            for i in range(len(prompts)):
-                per_request[i].append(current[i])
+            steps.append(batch.decode(steps[-1].argmax(dim=-1)))
     finally:
         batch.release()
-    return per_request
+    return [[step[i] for step in steps] for i in range(len(prompts))]
 
 
 @pytest.mark.parametrize("name", ["llama", "deepseek_v2"])
