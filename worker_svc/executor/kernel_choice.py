@@ -174,8 +174,7 @@ def apply_kernels(model: nn.Module, plan: KernelPlan) -> None:
     if plan.fp32_row_padding is not None:
         row_stable = RowStableLinear(plan.fp32_row_padding)
         for module in model.modules():
-            unquantized = not getattr(module, "quantized", False)  # the router has no quantized form
-            if isinstance(module, (KernelLinear, ParallelLMHead, TopKRouter)) and unquantized:
+            if isinstance(module, (KernelLinear, ParallelLMHead, TopKRouter)) and not module.quantized:
                 module.kernel = row_stable
     for module in model.modules():
         if isinstance(module, RMSNorm):

@@ -16,6 +16,8 @@ import warnings
 import torch
 import torch.nn.functional as F
 
+from worker_svc.kernels.row_stable import zero_pad_rows
+
 
 def _primitives():
     """torchao's quantization primitives, imported on first use: importing torchao takes ~2.7 s here,
@@ -45,16 +47,12 @@ def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
 AVX512_OUT = 16  # outputs per zmm in the AVX-512 layouts
 
 
-def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
-    return torch.cat((t, t.new_zeros(rows - t.shape[0], *t.shape[1:]))) if rows > t.shape[0] else t
-
-
 def pack_int8_avx512(q: torch.Tensor) -> torch.Tensor:
     """[N, K] int8 -> [G, Kp / 2, 32] int8 (G = N / 16 rounded up, Kp = K rounded up to even, zero padded):
     per group of 16 outputs and pair of inputs, (n0k0, n0k1, n1k0, n1k1, ...)."""
     rows, cols = q.shape
     groups, pairs = -(-rows // AVX512_OUT), -(-cols // 2)
-    q = F.pad(_pad_rows(q, groups * AVX512_OUT), (0, 2 * pairs - cols))
+    q = F.pad(zero_pad_rows(q, groups * AVX512_OUT), (0, 2 * pairs - cols))
     return q.view(groups, AVX512_OUT, pairs, 2).permute(0, 2, 1, 3).reshape(groups, pairs, 2 * AVX512_OUT).contiguous()
 
 
@@ -68,7 +66,7 @@ def _int4_words(q: torch.Tensor) -> torch.Tensor:
     (16g + j, 8b + t) in bits 4t..4t+3; output rows beyond N are zero."""
     rows, cols = q.shape
     groups = -(-rows // AVX512_OUT)
-    planes = _pad_rows(q.to(torch.int64), groups * AVX512_OUT).view(groups, AVX512_OUT, cols // 8, 8)
+    planes = zero_pad_rows(q.to(torch.int64), groups * AVX512_OUT).view(groups, AVX512_OUT, cols // 8, 8)
     words = (planes << (4 * torch.arange(8, dtype=torch.int64))).sum(dim=-1).permute(0, 2, 1)  # [G, K/8, 16]
     return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32).contiguous()
 
@@ -81,7 +79,7 @@ def pack_int4_avx512(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, g
     words = _int4_words(q)  # [G, K/8, 16]
     out_groups, quant_groups = words.shape[0], scale.shape[1]
     padded = out_groups * AVX512_OUT
-    sz = torch.stack((_pad_rows(scale, padded), _pad_rows(zero, padded)))  # [2, Np, groups]
+    sz = torch.stack((zero_pad_rows(scale, padded), zero_pad_rows(zero, padded)))  # [2, Np, groups]
     sz = sz.view(2, out_groups, AVX512_OUT, quant_groups).permute(1, 3, 0, 2).contiguous()  # [G, groups, 2, 16]
     head = sz.view(torch.uint8).reshape(out_groups, quant_groups, -1)
     body = words.view(out_groups, quant_groups, -1).view(torch.uint8)  # [G, groups, 64 * group / 8]
@@ -162,7 +160,7 @@ class Int8WeightOnlyKernel:
         self.qweight: torch.Tensor | None = qweight
         if self.avx512:  # the packed copy replaces the row-major one
             self.packed = pack_int8_avx512(qweight)  # [G, Kp / 2, 32]
-            self.kernel_scale = _pad_rows(self.kernel_scale, self.packed.shape[0] * AVX512_OUT)
+            self.kernel_scale = zero_pad_rows(self.kernel_scale, self.packed.shape[0] * AVX512_OUT)
             self.qweight = None
         weight_bytes = self.packed.numel() if self.avx512 else qweight.numel()
         self.nbytes = weight_bytes + self.kernel_scale.numel() * self.kernel_scale.element_size()

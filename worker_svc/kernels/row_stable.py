@@ -55,19 +55,20 @@ class RowStableLinear:
         self.pad_to = pad_to
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        rows = x.shape[0] if x.dim() == 2 else 0
-        target = self.pad_to[rows] if 0 < rows < len(self.pad_to) else rows
-        if target == rows or x.dtype != torch.float32:
+        if x.dim() != 2 or x.dtype != torch.float32:
             return F.linear(x, weight, bias)
-        return F.linear(pad_rows(x, self.pad_to), weight, bias)[:rows]  # [target, out] -> [rows, out]
+        padded = pad_rows(x, self.pad_to)  # [target, in]
+        out = F.linear(padded, weight, bias)
+        return out if padded is x else out[: x.shape[0]]  # [target, out] -> [rows, out]
 
 
-def pad_rows(x: torch.Tensor, pad_to: tuple[int, ...] | None, dim: int = 0) -> torch.Tensor:
-    """``x`` with zero rows appended along ``dim`` up to ``pad_to``'s count for its size (unchanged
-    when no padding applies): for GEMMs that are not a linear (attention's per-request matmuls)."""
-    rows = x.shape[dim]
-    if pad_to is None or not 0 < rows < len(pad_to) or pad_to[rows] == rows:
-        return x
-    shape = list(x.shape)
-    shape[dim] = pad_to[rows] - rows
-    return torch.cat([x, x.new_zeros(shape)], dim=dim)
+def pad_rows(x: torch.Tensor, pad_to: tuple[int, ...] | None) -> torch.Tensor:
+    """``x`` with zero rows appended along dim 0 up to ``pad_to``'s count for its size (``x`` itself
+    when no padding applies); also for GEMMs that are not a linear (MLA decode's per-head bmm's)."""
+    rows = x.shape[0]
+    return zero_pad_rows(x, pad_to[rows]) if pad_to is not None and 0 < rows < len(pad_to) else x
+
+
+def zero_pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """``t`` with zero rows appended along dim 0 up to ``rows`` (``t`` itself when it has that many)."""
+    return torch.cat((t, t.new_zeros(rows - t.shape[0], *t.shape[1:]))) if rows > t.shape[0] else t

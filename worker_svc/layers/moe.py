@@ -32,6 +32,7 @@ class TopKRouter(nn.Module):
     """``mlp.gate``: scores = softmax(x W^T) in fp32, then top-k experts per token."""
 
     kernel = staticmethod(F.linear)  # swappable like KernelLinear's (the runner's fp32 kernel)
+    quantized: bool = False  # as KernelLinear's: the router's weight is never quantized
 
     def __init__(self, hidden_size: int, fields: DeepseekV2Fields) -> None:
         super().__init__()
