@@ -274,8 +274,9 @@ async def run_benchmark(config: BenchConfig, codec: Any | None = None, emit: Any
     target: Target = (RouterTarget if config.backend == "router" else WorkerTarget)(
         channel, security.metadata(), config.request_settings)
     try:
-        facts = await _server_facts(target, config)
-        await _wait_serving(channel, config)
+        deadline = time.monotonic() + config.wait_for_server  # one --wait-for-server for both waits
+        facts = await _server_facts(target, config, deadline)
+        await _wait_serving(channel, config, deadline)
         space = token_space(facts, codec)
         text_codec = codec if config.prompt_format == "text" else None
         if text_codec is not None:
@@ -301,11 +302,10 @@ async def run_benchmark(config: BenchConfig, codec: Any | None = None, emit: Any
         await channel.close()
 
 
-async def _server_facts(target: Target, config: BenchConfig) -> ServerFacts:
-    """GetModelInfo, retried while the server is unavailable for up to --wait-for-server seconds."""
+async def _server_facts(target: Target, config: BenchConfig, deadline: float) -> ServerFacts:
+    """GetModelInfo, retried while the server is unavailable until ``deadline`` (--wait-for-server)."""
     import grpc
 
-    deadline = time.monotonic() + config.wait_for_server
     while True:
         try:
             return await target.facts()
@@ -316,7 +316,7 @@ async def _server_facts(target: Target, config: BenchConfig) -> ServerFacts:
         await asyncio.sleep(0.2)
 
 
-async def _wait_serving(channel: Any, config: BenchConfig) -> None:
+async def _wait_serving(channel: Any, config: BenchConfig, deadline: float) -> None:
     """With --wait-for-server, also wait until the server's grpc.health says SERVING: a router answers
     GetModelInfo from its tokenizer before its worker groups are up. A server without the health service
     is taken as ready."""
@@ -326,7 +326,6 @@ async def _wait_serving(channel: Any, config: BenchConfig) -> None:
     if not config.wait_for_server:
         return
     stub = health_pb2_grpc.HealthStub(channel)
-    deadline = time.monotonic() + config.wait_for_server
     while True:
         try:
             status = (await stub.Check(health_pb2.HealthCheckRequest(), timeout=5)).status
