@@ -51,7 +51,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="kernels for quantized layers on the CPU (auto: this project's AVX-512 kernels on AVX-512 "
                    "CPUs, its AVX2 kernels on AVX2-only CPUs, else aten's)")
     g.add_argument("--cpu-bf16-linear", choices=CPU_BF16_LINEAR_KERNELS, default="auto",
-                   help="bf16 matmul kernel on the CPU (auto: blocked_upcast on CPUs without native bf16)")
+                   help="bf16 matmul kernel on the CPU (auto: amx_bf16 with AMX-BF16, avx512_bf16 with AVX512-BF16, "
+                   "fbgemm_fp16 on CPUs without native bf16, else aten)")
     g.add_argument("--mla-decode", choices=MLA_DECODE_MODES, default="absorbed",
                    help="MLA (DeepSeek-V2) decode: attend over cached latents with W_UK/W_UV absorbed, "
                    "or decompress them (normal)")

@@ -116,6 +116,51 @@ def test_packed_bf16_matches_fp32_reference(rows, shape, bias):
     assert torch.allclose(out.float(), ref, rtol=2**-8, atol=1e-4), (out.float() - ref).abs().max()
 
 
+def _amx_bf16_ops():
+    ops = _avx512_bf16_ops()
+    if not ops.bf16_linear_amx_available():
+        pytest.skip("this CPU lacks AMX-BF16 (or the OS does not grant the AMX tile state): the AMX kernel cannot run")
+    return ops
+
+
+@pytest.mark.parametrize("rows", [1, 2, 15, 16, 17, 32, 33, 130])
+@pytest.mark.parametrize("shape", [(32, 1), (64, 17), (576, 960), (1536, 33)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_amx_bf16_matches_fp32_reference(rows, shape, bias):
+    """Every tile step (1-2 row blocks x 1-2 output groups), ragged row blocks and output groups, K = 32."""
+    from worker_svc.kernels.bf16_linear import PackedBf16Linear
+
+    ops = _amx_bf16_ops()
+    in_features, out_features = shape
+    gen = torch.Generator().manual_seed(rows * 7 + in_features)
+    weight = (torch.randn(out_features, in_features, generator=gen) * 0.05).to(torch.bfloat16)
+    b = torch.randn(out_features, generator=gen).to(torch.bfloat16) if bias else None
+    x = torch.randn(rows, in_features, generator=gen).to(torch.bfloat16)
+    kernel = PackedBf16Linear(weight, ops, amx_min_rows=1)
+    out = kernel(x, weight, b)
+    ref = F.linear(x.float(), weight.float(), None if b is None else b.float())
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, out_features)
+    assert torch.allclose(out.float(), ref, rtol=2**-8, atol=1e-4), (out.float() - ref).abs().max()
+    # Each row on its own: the same row alone and inside any batch gives the same bits.
+    assert torch.equal(kernel(x[-1:], weight, b), out[-1:])
+
+
+def test_amx_bf16_runs_from_its_row_threshold_and_only_on_whole_tiles():
+    from worker_svc.kernels.bf16_linear import PackedBf16Linear
+
+    ops = _amx_bf16_ops()
+    weight = torch.randn(48, 64).to(torch.bfloat16)
+    x = torch.randn(4, 64).to(torch.bfloat16)
+    kernel = PackedBf16Linear(weight, ops, amx_min_rows=2)
+    amx = ops.bf16_linear_packed_amx(x, kernel.packed, 48, None)
+    vdp = ops.bf16_linear_packed(x, kernel.packed, 48, None)
+    assert torch.equal(kernel(x, weight), amx)  # 4 rows >= 2: AMX
+    assert torch.equal(kernel(x[:1], weight), vdp[:1])  # one row: VDPBF16PS
+    assert PackedBf16Linear(torch.randn(8, 48).to(torch.bfloat16), ops, amx_min_rows=2).amx_min_rows is None
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        ops.bf16_linear_packed_amx(torch.randn(2, 48).to(torch.bfloat16), ops.bf16_pack_weight(weight[:, :48]), 48, None)
+
+
 def test_packed_bf16_keeps_leading_dims_and_takes_strided_input():
     from worker_svc.kernels.bf16_linear import PackedBf16Linear
 

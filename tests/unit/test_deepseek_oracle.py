@@ -24,6 +24,9 @@ pytest.importorskip("transformers")
 
 OUTPUT_LEN = 32
 ATOL = 1e-4
+# fp32 logits of the `small` preset reach ~25: a few fp32 ulps of each sum through 30-odd GEMMs, rounded
+# differently by another host's sgemm (1.2e-4 on a Sapphire Rapids-class Xeon), scale with that size.
+LOGIT_RTOL = 1e-5
 ARCH = "deepseek_v2"
 # tiny: V2-Lite-like (q_proj, greedy top-2 of 8, 1 shared expert, first layer dense).
 # small: V2-like (q LoRA, group-limited top-4 of 16 in 4 groups, 2 shared, routed_scaling_factor 2).
@@ -76,19 +79,24 @@ def _runner(model_dir, **kw) -> ModelRunner:
     return ModelRunner(EngineConfig(model_path=str(model_dir), dtype="float32", max_total_tokens=4096, **kw))
 
 
+def assert_logits_close(logits: torch.Tensor, ref: torch.Tensor) -> None:
+    worst = (logits - ref).abs().max().item()
+    assert worst < ATOL + LOGIT_RTOL * ref.abs().max().item(), worst
+
+
 @pytest.mark.parametrize("mla_decode, moe_experts", [("absorbed", "loop"), ("normal", "loop"), ("absorbed", "grouped")])
 def test_prefill_extend_decode_match_hf(case, mla_decode, moe_experts):
     model_dir, prompts, ref_logits, ref_tokens = case
     runner = _runner(model_dir, mla_decode=mla_decode, moe_experts=moe_experts)
     logits, tokens = greedy_with_split_prefill(runner, prompts, OUTPUT_LEN, cut_len=3)
-    assert (logits - ref_logits).abs().max().item() < ATOL
+    assert_logits_close(logits, ref_logits)
     assert tokens == ref_tokens
 
 
 def test_chunked_prefill_logits_match_hf(case):
     model_dir, prompts, ref_logits, _ = case
     final = chunked_prefill_logits(_runner(model_dir), prompts, chunk=5)
-    assert (final - ref_logits).abs().max().item() < ATOL
+    assert_logits_close(final, ref_logits)
 
 
 def test_continuous_batching_matches_hf(case):
@@ -103,7 +111,7 @@ def test_continuous_batching_matches_hf(case):
     reqs, prefill = run_with_late_arrivals(engine, prompts, GREEDY, short_prompt_decodes_early)
     assert [r.output_ids for r in reqs] == ref_tokens
     for logits, ref in zip(prefill, ref_logits, strict=False):
-        assert (logits - ref).abs().max().item() < ATOL
+        assert_logits_close(logits, ref)
     assert engine.flush_cache()[0]  # the radix cache keeps finished prompts until flushed
     assert engine.runner.kv.allocator.available() == engine.runner.kv.allocator.size
 

@@ -29,6 +29,10 @@ def _has_avx512_bf16() -> bool:
     return ops is not None and bool(ops.bf16_linear_available())
 
 
+def _has_amx_bf16() -> bool:
+    return _has_avx512_bf16() and bool(cpu_ext.load().bf16_linear_amx_available())
+
+
 def test_bf16_linear_kernel_applies_only_to_bf16_on_the_cpu():
     assert _plan(cpu_bf16_linear="blocked_upcast").bf16_linear == "blocked_upcast"
     assert _plan(torch.float32, cpu_bf16_linear="blocked_upcast").bf16_linear == "aten"
@@ -40,8 +44,14 @@ def test_bf16_linear_kernel_applies_only_to_bf16_on_the_cpu():
 
 
 def test_auto_picks_the_packed_bf16_kernel_where_the_cpu_has_avx512_bf16():
+    if _has_amx_bf16():
+        assert _plan().bf16_linear == "amx_bf16"
+        assert _plan(cpu_bf16_linear="amx_bf16").describe()["bf16_linear"] == "amx_bf16"
+    else:
+        with pytest.raises(ValueError, match="amx_bf16 needs a CPU with AMX-BF16"):
+            _plan(cpu_bf16_linear="amx_bf16")
     if _has_avx512_bf16():
-        assert _plan().bf16_linear == "avx512_bf16"
+        assert _plan().bf16_linear == ("amx_bf16" if _has_amx_bf16() else "avx512_bf16")
         assert _plan(cpu_bf16_linear="avx512_bf16").describe()["bf16_linear"] == "avx512_bf16"
     else:
         assert _plan().bf16_linear in ("aten", "fbgemm_fp16", "blocked_upcast")
@@ -65,6 +75,19 @@ def test_apply_kernels_packs_bf16_linears_and_releases_their_weights():
     assert isinstance(model[0].kernel, PackedBf16Linear) and model[0].weight.device.type == "meta"
     assert not isinstance(model[1].kernel, PackedBf16Linear)  # odd in_features: aten keeps it
     assert torch.allclose(model[0](x).float(), before.float(), rtol=2**-7, atol=1e-3)
+
+
+def test_amx_kernel_runs_from_two_rows_and_from_one_under_deterministic_inference():
+    if not _has_amx_bf16():
+        pytest.skip("this CPU lacks AMX-BF16 (or the OS does not grant it, or the C++ kernels did not build)")
+    for deterministic, min_rows in ((False, 2), (True, 1)):
+        model = torch.nn.Sequential(KernelLinear(64, 32), KernelLinear(48, 32)).to(torch.bfloat16)
+        apply_kernels(model, _plan(cpu_bf16_linear="amx_bf16", deterministic_inference=deterministic))
+        assert model[0].kernel.amx_min_rows == min_rows
+        assert model[1].kernel.amx_min_rows is None  # 48 inputs: not whole 32-input tiles, VDPBF16PS only
+    model = torch.nn.Sequential(KernelLinear(64, 32)).to(torch.bfloat16)
+    apply_kernels(model, _plan(cpu_bf16_linear="avx512_bf16"))
+    assert model[0].kernel.amx_min_rows is None
 
 
 def test_attention_follows_the_model_kind_and_the_cpu_kernels():

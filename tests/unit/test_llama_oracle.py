@@ -87,12 +87,14 @@ def test_retraction_under_memory_pressure_matches_hf(case):
 
 
 @pytest.mark.parametrize("preset", ["tiny", "small"])
-@pytest.mark.parametrize("kernel", ["auto", "aten", "avx512_bf16", "fbgemm_fp16_lowmem", "blocked_upcast"])
+@pytest.mark.parametrize("kernel", ["auto", "aten", "amx_bf16", "avx512_bf16", "fbgemm_fp16_lowmem", "blocked_upcast"])
 def test_bf16_logits_close_to_hf_fp32(model_factory, preset, kernel):
     if kernel.startswith("fbgemm") and "fbgemm" not in torch.backends.quantized.supported_engines:
         pytest.skip("torch built without FBGEMM")
     if kernel == "avx512_bf16" and ((ops := cpu_ext.load()) is None or not ops.bf16_linear_available()):
         pytest.skip("this CPU lacks AVX512-BF16 (or the C++ kernels did not build)")
+    if kernel == "amx_bf16" and ((ops := cpu_ext.load()) is None or not ops.bf16_linear_amx_available()):
+        pytest.skip("this CPU lacks AMX-BF16 (or the OS does not grant it, or the C++ kernels did not build)")
     model_dir = model_factory(preset)
     prompts = encode_prompts(model_dir)
     ref_logits, _ = hf_reference(model_dir, prompts, OUTPUT_LEN)

@@ -27,6 +27,7 @@ from worker_svc.engine.engine import Engine
 from worker_svc.executor.model_runner import ModelRunner
 from worker_svc.executor.two_batch import split_step
 from worker_svc.forward_batch import ForwardMode, StepInput
+from worker_svc.kernels.row_stable import probe_row_padding
 from worker_svc.models.decoder import CausalLM
 from worker_svc.parallel import shm_communicator as shm
 from worker_svc.parallel.collective_observer import CollectiveRecorder
@@ -191,7 +192,12 @@ def test_overlap_in_the_default_mode_stays_within_rounding(models, name, moe_exp
 def test_aligned_micro_batches_are_bit_identical(models):
     """Default mode. 8 requests of 4-token chunks, then decode split 4 + 4: every GEMM of a micro-batch has
     a multiple of 4 rows, the BLAS rounds each row as in the whole step, and the split adds no error of its
-    own."""
+    own. Where the host's sgemm rounds those row counts differently from a big GEMM (the probe of
+    kernels/row_stable.py says), bit identity is what --enable-deterministic-inference gives instead."""
+    pad_to = probe_row_padding()
+    if pad_to is not None and (odd := [m for m in (4, 8, 16, 32) if pad_to[m] != m]):
+        pytest.skip(f"this host's sgemm rounds the rows of {odd}-row GEMMs differently from a 64-row one "
+                    "(kernels/row_stable.py probe): the split is bit-identical only with deterministic inference here")
     flat = [t for p in encode_prompts(models["llama"]) for t in p]
     prompts = [flat[i * 12:(i + 1) * 12] for i in range(8)]
     off_logits, off_tokens = _drive(_runner(models["llama"], TPContext(), False, deterministic=False), prompts, 4)

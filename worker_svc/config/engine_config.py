@@ -7,7 +7,7 @@ from typing import Any
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 MLA_DECODE_MODES = ("absorbed", "normal")
-CPU_BF16_LINEAR_KERNELS = ("auto", "aten", "avx512_bf16", "fbgemm_fp16", "fbgemm_fp16_lowmem", "blocked_upcast")
+CPU_BF16_LINEAR_KERNELS = ("auto", "aten", "amx_bf16", "avx512_bf16", "fbgemm_fp16", "fbgemm_fp16_lowmem", "blocked_upcast")
 CPU_QUANT_KERNELS = ("auto", "avx512", "avx2", "aten")
 MOE_EXPERT_KERNELS = ("auto", "loop", "grouped")
 
@@ -37,8 +37,9 @@ class EngineConfig:
     # before, shared across requests and kept (evictable, LRU) after they finish. On unless disabled.
     disable_radix_cache: bool = False
 
-    # Matmul kernel for bf16 weights on the CPU (kernels/bf16_linear.py): "auto" picks "avx512_bf16" (this
-    # project's kernel on pre-packed weights) on CPUs with AVX512-BF16, "fbgemm_fp16" (or "blocked_upcast"
+    # Matmul kernel for bf16 weights on the CPU (kernels/bf16_linear.py): "auto" picks "amx_bf16" (this
+    # project's kernels on pre-packed weights, AMX tiles from 2 rows up) on CPUs with AMX-BF16, "avx512_bf16"
+    # (the same without AMX) on CPUs with AVX512-BF16, "fbgemm_fp16" (or "blocked_upcast"
     # without FBGEMM) on CPUs lacking native bf16 instructions (AVX2-only), "aten" elsewhere.
     # "fbgemm_fp16" keeps the bf16 weights for one-row GEMV (2x linear weight memory);
     # "fbgemm_fp16_lowmem" keeps only the packed copy.

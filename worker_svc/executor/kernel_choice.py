@@ -36,7 +36,7 @@ log = structlog.get_logger(__name__)
 
 @dataclass(frozen=True)
 class KernelPlan:
-    # bf16 linears on the CPU: "aten" (also whenever the weights are not bf16 on the CPU), "avx512_bf16",
+    # bf16 linears on the CPU: "aten" (also whenever the weights are not bf16 on the CPU), "amx_bf16", "avx512_bf16",
     # "fbgemm_fp16", "fbgemm_fp16_lowmem" or "blocked_upcast" (EngineConfig.cpu_bf16_linear).
     bf16_linear: str
     cpu_ops: object | None  # the AVX2 kernels (cpu_ext.load()) for RMSNorm and decode attention, None off x86
@@ -111,9 +111,12 @@ def _bf16_linear_kernel(
     if device.type != "cpu" or dtype != torch.bfloat16:
         return "aten"
     avx512_bf16 = cpu_ops is not None and bool(cpu_ops.bf16_linear_available())  # type: ignore[attr-defined]
+    amx_bf16 = avx512_bf16 and bool(cpu_ops.bf16_linear_amx_available())  # type: ignore[union-attr]
     choice = engine_config.cpu_bf16_linear
     if choice == "auto":
-        if avx512_bf16:
+        if amx_bf16:
+            choice = "amx_bf16"
+        elif avx512_bf16:
             choice = "avx512_bf16"
         elif not cpu_has_native_bf16():
             choice = "fbgemm_fp16" if fbgemm_available() else "blocked_upcast"
@@ -122,6 +125,9 @@ def _bf16_linear_kernel(
     if choice == "avx512_bf16" and not avx512_bf16:
         raise ValueError("--cpu-bf16-linear avx512_bf16 needs a CPU with AVX512-BF16 and this project's C++ "
                          "kernels (the log says whether they loaded)")
+    if choice == "amx_bf16" and not amx_bf16:
+        raise ValueError("--cpu-bf16-linear amx_bf16 needs a CPU with AMX-BF16 and AVX512-BF16, an OS that grants "
+                         "the AMX tile state, and this project's C++ kernels (the log says whether they loaded)")
     if choice.startswith("fbgemm") and not fbgemm_available():
         raise ValueError(f"--cpu-bf16-linear {choice} needs a torch build with FBGEMM")
     return choice
@@ -170,7 +176,7 @@ def apply_kernels(model: nn.Module, plan: KernelPlan) -> None:
         for module in model.modules():
             if isinstance(module, DeepseekMoE):
                 module.use_grouped_experts()
-    _apply_linear_kernels(model, plan.bf16_linear, plan.cpu_ops)
+    _apply_linear_kernels(model, plan.bf16_linear, plan.cpu_ops, plan.deterministic)
     if plan.fp32_row_padding is not None:
         row_stable = RowStableLinear(plan.fp32_row_padding)
         for module in model.modules():
@@ -181,9 +187,17 @@ def apply_kernels(model: nn.Module, plan: KernelPlan) -> None:
             module.cpu_ops = plan.cpu_ops
 
 
-def _apply_linear_kernels(model: nn.Module, choice: str, cpu_ops: object | None) -> None:
+# AMX tiles from this many rows up (fewer rows: VDPBF16PS). On the Sapphire Rapids-class host of
+# docs/benchmarks.md one row is 8% faster on VDPBF16PS, two rows already 7% faster on AMX, 16 rows 2.4x.
+AMX_MIN_ROWS = 2
+
+
+def _apply_linear_kernels(model: nn.Module, choice: str, cpu_ops: object | None, deterministic: bool) -> None:
     if choice == "aten":
         return
+    # Deterministic inference: one kernel for every row count, or a request's rows would round differently
+    # alone (VDPBF16PS) than batched (AMX).
+    amx_min_rows = (1 if deterministic else AMX_MIN_ROWS) if choice == "amx_bf16" else None
     blocked = BlockedUpcastLinear()  # one shared scratch buffer: the engine runs one step at a time
     shared = embedding_parameter_ids(model)
     for module in model.modules():
@@ -191,9 +205,9 @@ def _apply_linear_kernels(model: nn.Module, choice: str, cpu_ops: object | None)
             continue
         if module.weight.device.type == "meta":  # its weight moved into a grouped copy (grouped MoE experts)
             continue
-        if choice == "avx512_bf16":
+        if choice in ("amx_bf16", "avx512_bf16"):
             try:
-                module.kernel = PackedBf16Linear(module.weight.data, cpu_ops)
+                module.kernel = PackedBf16Linear(module.weight.data, cpu_ops, amx_min_rows)
             except ValueError:  # an odd number of input features: aten's kernel keeps it
                 continue
             release_weight(module, shared)  # the packed copy replaces the bf16 weight

@@ -2,7 +2,9 @@
 
 On CPUs with AVX512-BF16, ``PackedBf16Linear``: this project's kernel (kernels/csrc/bf16_linear_avx512.cpp)
 on a weight packed once at load for VDPBF16PS; it reads the weight near the host's memory bandwidth where
-aten's GEMV on the unpacked weight reaches about half of it.
+aten's GEMV on the unpacked weight reaches about half of it. Where the CPU also has AMX-BF16 (Sapphire
+Rapids and later) the same packed weight feeds AMX tiles (kernels/csrc/bf16_linear_amx.cpp) from two rows
+up: VDPBF16PS's cost grows with the rows, a tile multiply's does not until 16.
 
 On AVX2-only x86 (no AVX512-BF16 / AMX / AVX-NE-CONVERT) aten's bf16 GEMM falls back to a scalar
 conversion loop: at 16 rows it is 3-5x slower than it needs to be, and 4-8x at prefill sizes.
@@ -45,22 +47,34 @@ def cpu_has_native_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
     return any(flag in flags.split() for flag in _BF16_CPU_FLAGS)
 
 
+AMX_TILE_K = 32  # inputs per AMX tile: the AMX kernel needs in_features in whole tiles
+
+
 class PackedBf16Linear:
     """One layer's bf16 weight packed for the AVX512-BF16 kernel (``ops``: ``cpu_ext.load()``). The packed
-    copy replaces the weight: every row count runs the kernel."""
+    copy replaces the weight: every row count runs this project's kernels.
 
-    def __init__(self, weight: torch.Tensor, ops: Any) -> None:
+    ``amx_min_rows``: inputs of at least this many rows run the AMX kernel on the same packed weight (None:
+    never; layers whose in_features is not a multiple of 32 never do). Both kernels compute each row on its
+    own, so a row's result does not depend on the other rows; it does depend on which kernel ran, which is
+    why deterministic inference passes 1 (every row count on AMX)."""
+
+    def __init__(self, weight: torch.Tensor, ops: Any, amx_min_rows: int | None = None) -> None:
         self.out_features, self.in_features = weight.shape
         if weight.dtype != torch.bfloat16 or self.in_features % 2:
             raise ValueError("PackedBf16Linear needs a bf16 weight with an even number of input features")
         self.ops = ops
         self.packed = ops.bf16_pack_weight(weight)  # [ceil(out/16), in/2, 32]
         self.nbytes = self.packed.numel() * self.packed.element_size()
+        self.amx_min_rows = amx_min_rows if self.in_features % AMX_TILE_K == 0 else None
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if x.dtype != torch.bfloat16:  # the model runs in bf16; anything else is a caller's mistake
             raise TypeError(f"PackedBf16Linear: bfloat16 input expected, got {x.dtype}")
-        return self.ops.bf16_linear_packed(x, self.packed, self.out_features, None if bias is None else bias.float())
+        bias32 = None if bias is None else bias.float()
+        if self.amx_min_rows is not None and x.numel() >= self.amx_min_rows * self.in_features:
+            return self.ops.bf16_linear_packed_amx(x, self.packed, self.out_features, bias32)
+        return self.ops.bf16_linear_packed(x, self.packed, self.out_features, bias32)
 
 
 class BlockedUpcastLinear:

@@ -3,7 +3,8 @@
 MKL's sgemm on x86 takes a separate small-M path for few rows, and there a row of a partial tile is
 rounded differently from the same row in a bigger GEMM. Measured on an AVX-512 Zen 4 (torch 2.13, MKL):
 for M < 12 rows with M % 4 != 0 the last M % 4 rows differ (a few fp32 ulps); every other M gives every
-row bit for bit as a 64-row GEMM does. So a request's logits depend on how many other requests share its
+row bit for bit as a 64-row GEMM does. On a Sapphire Rapids-class Xeon (AMX) every M below 57 differs.
+So a request's logits depend on how many other requests share its
 step, and the two-batch overlap's micro-batches (fewer rows than the whole step) drift from the
 sequential forward by 1e-5..5e-5.
 

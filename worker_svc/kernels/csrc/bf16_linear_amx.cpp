@@ -1,0 +1,190 @@
+// bf16 linear y = x W^T (+ b) on CPUs with AMX-BF16 (Sapphire Rapids and later), on the weight that
+// bf16_linear_avx512.cpp packs: no second copy of the weights.
+//
+// Why: VDPBF16PS (bf16_linear_avx512.cpp) broadcasts one input pair per instruction, so its cost grows
+// with the rows of x: at 16 rows it is already compute-bound, at prefill sizes 5x slower than oneDNN.
+// One TDPBF16PS multiplies a 16 x 32 tile of x by a 32 x 16 tile of W (8192 products).
+//
+// Layout: packed[g][kp] holds 16 outputs x 2 inputs (n0k0, n0k1, n1k0, n1k1, ...), which is exactly
+// AMX's "VNNI" B operand: 16 consecutive pairs kp..kp+15 of one group are one B tile (16 rows of 64
+// bytes, contiguous). An A tile is 16 rows of x by 32 inputs, read in place with x's row stride.
+//
+// Tiles: tmm0-3 accumulate C for up to 2 row blocks x 2 output groups, tmm4-5 hold A, tmm6-7 hold B.
+// Rows are padded to whole 16-row blocks (a zeroed copy of x when rows % 16 != 0), so one tile
+// configuration serves every call; accumulators go through a per-thread fp32 buffer to add the bias
+// and round once to bf16. Threads split the output groups, as in the AVX512-BF16 kernel.
+// in_features must be a multiple of 32 (whole A/B tiles); the caller keeps the VDPBF16PS kernel otherwise.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cpuid.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+#define LLMSERVE_AMX __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")))
+
+constexpr int64_t kGroup = 16;    // outputs per group (one B tile's columns)
+constexpr int64_t kTileRows = 16; // rows of x per A tile
+constexpr int64_t kTileK = 32;    // inputs per A/B tile (16 pairs)
+
+// Linux hands out the AMX tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM); without it the
+// first tile instruction raises SIGILL. The grant is per process and lasts.
+bool request_amx_permission() {
+  constexpr long kArchReqXcompPerm = 0x1023;
+  constexpr long kXfeatureXtiledata = 18;
+  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+}
+
+bool cpu_has_amx_bf16() {
+  static const bool has = [] {
+    unsigned eax, ebx, ecx, edx;
+    if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
+    const bool amx_bf16 = (edx >> 22) & 1, amx_tile = (edx >> 24) & 1;
+    const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
+    return amx_bf16 && amx_tile && avx512 && request_amx_permission();
+  }();
+  return has;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+LLMSERVE_AMX void load_tile_config() {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) {  // every tile used: 16 rows of 64 bytes
+    config.colsb[t] = 64;
+    config.rows[t] = kTileRows;
+  }
+  _tile_loadconfig(&config);
+}
+
+// C tiles -> bf16 y (+ bias): rows [0, valid_rows) of the block, columns [0, valid_cols) of the group.
+LLMSERVE_AMX void store_block(const float* c, const float* bias, uint16_t* y, int64_t ldy, int64_t valid_rows,
+                              int64_t valid_cols) {
+  if (valid_cols <= 0) return;
+  const __mmask16 mask =
+      valid_cols >= kGroup ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << valid_cols) - 1);
+  const __m512 b = bias != nullptr ? _mm512_maskz_loadu_ps(mask, bias) : _mm512_setzero_ps();
+  for (int64_t m = 0; m < valid_rows; ++m) {
+    const __m256bh out = _mm512_cvtneps_pbh(_mm512_add_ps(_mm512_loadu_ps(c + m * kGroup), b));
+    _mm256_mask_storeu_epi16(y + m * ldy, mask, reinterpret_cast<const __m256i&>(out));
+  }
+}
+
+// One tile step: MB row blocks (1..2) x NB output groups (1..2) over the whole K.
+template <int MB, int NB>
+LLMSERVE_AMX void block(const uint16_t* x, int64_t k, const uint16_t* w, int64_t group_stride, float* c) {
+  _tile_zero(0);
+  if constexpr (NB == 2) _tile_zero(1);
+  if constexpr (MB == 2) _tile_zero(2);
+  if constexpr (MB == 2 && NB == 2) _tile_zero(3);
+  const int64_t x_stride = k * 2;  // bytes
+  for (int64_t kc = 0; kc < k; kc += kTileK) {
+    _tile_loadd(4, x + kc, x_stride);
+    if constexpr (MB == 2) _tile_loadd(5, x + kTileRows * k + kc, x_stride);
+    _tile_loadd(6, w + kc * kGroup, 64);  // pairs kc/2 .. kc/2+15 of the group: 16 rows of 64 bytes
+    if constexpr (NB == 2) _tile_loadd(7, w + group_stride + kc * kGroup, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (NB == 2) _tile_dpbf16ps(1, 4, 7);
+    if constexpr (MB == 2) _tile_dpbf16ps(2, 5, 6);
+    if constexpr (MB == 2 && NB == 2) _tile_dpbf16ps(3, 5, 7);
+  }
+  constexpr int64_t kTileFloats = kTileRows * kGroup;
+  _tile_stored(0, c, 64);
+  if constexpr (NB == 2) _tile_stored(1, c + kTileFloats, 64);
+  if constexpr (MB == 2) _tile_stored(2, c + 2 * kTileFloats, 64);
+  if constexpr (MB == 2 && NB == 2) _tile_stored(3, c + 3 * kTileFloats, 64);
+}
+
+using BlockFn = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, float*);
+
+BlockFn pick(int mb, int nb) {
+  if (mb == 2) return nb == 2 ? &block<2, 2> : &block<2, 1>;
+  return nb == 2 ? &block<1, 2> : &block<1, 1>;
+}
+
+// Output groups [begin, end) for every row: one thread's share.
+LLMSERVE_AMX void run_groups(int64_t begin, int64_t end, const uint16_t* xp, int64_t rows, int64_t k, const uint16_t* wp,
+                             int64_t group_stride, const float* bp, uint16_t* yp, int64_t n) {
+  load_tile_config();  // tile state is per thread
+  alignas(64) float c[4 * kTileRows * kGroup];
+  for (int64_t g = begin; g < end; g += 2) {
+    const int nb = static_cast<int>(std::min<int64_t>(2, end - g));
+    for (int64_t r = 0; r < rows; r += 2 * kTileRows) {
+      const int mb = rows - r > kTileRows ? 2 : 1;
+      pick(mb, nb)(xp + r * k, k, wp + g * group_stride, group_stride, c);
+      for (int i = 0; i < mb; ++i) {
+        const int64_t r0 = r + i * kTileRows, valid_rows = std::min<int64_t>(kTileRows, rows - r0);
+        for (int j = 0; j < nb; ++j) {
+          const int64_t col = (g + j) * kGroup;
+          const float* tile = c + (i * 2 + j) * kTileRows * kGroup;
+          // block<MB, 1> stores its tiles at 0 and 2 * kTileFloats when MB == 2: same indexing.
+          store_block(tile, bp != nullptr ? bp + col : nullptr, yp + r0 * n + col, n, valid_rows, n - col);
+        }
+      }
+    }
+  }
+  _tile_release();
+}
+
+// x [..., K] bf16, packed from bf16_pack_weight of an [N, K] weight, bias [N] fp32 or empty -> [..., N] bf16.
+at::Tensor bf16_linear_packed_amx(const at::Tensor& x, const at::Tensor& packed, int64_t n,
+                                  const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(cpu_has_amx_bf16(), "bf16_linear_packed_amx: this CPU (or the OS) does not grant AMX-BF16");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16,
+              "bf16_linear_packed_amx: bfloat16");
+  const int64_t k = x.size(-1);
+  TORCH_CHECK(k % kTileK == 0, "bf16_linear_packed_amx: in_features must be a multiple of 32");
+  const int64_t groups = packed.size(0), pairs = packed.size(1);
+  TORCH_CHECK(pairs * 2 == k && groups * kGroup >= n && packed.size(2) == 2 * kGroup,
+              "bf16_linear_packed_amx: weight shape");
+  at::Tensor x2 = x.reshape({-1, k}).contiguous();
+  const int64_t rows = x2.size(0);
+  const int64_t padded_rows = (rows + kTileRows - 1) / kTileRows * kTileRows;
+  if (padded_rows != rows) {  // whole 16-row A tiles; the padding rows' outputs are never stored
+    at::Tensor padded = at::zeros({padded_rows, k}, x2.options());
+    padded.narrow(0, 0, rows).copy_(x2);
+    x2 = padded;
+  }
+  at::Tensor bias32;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == n, "bf16_linear_packed_amx: bias shape");
+    bias32 = at::zeros({groups * kGroup}, x.options().dtype(at::kFloat));
+    bias32.narrow(0, 0, n).copy_(*bias);
+  }
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = n;
+  at::Tensor y = at::empty({rows, n}, x.options());
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x2.data_ptr());
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
+  uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
+  const float* bp = bias32.defined() ? bias32.data_ptr<float>() : nullptr;
+  const int64_t used_groups = (n + kGroup - 1) / kGroup;
+  const int64_t group_stride = pairs * 2 * kGroup;  // elements
+  at::parallel_for(0, used_groups, 1, [&](int64_t begin, int64_t end) {
+    run_groups(begin, end, xp, rows, k, wp, group_stride, bp, yp, n);
+  });
+  return y.view(shape);
+}
+
+bool bf16_linear_amx_available() { return cpu_has_amx_bf16(); }
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(llmserve_cpu, m) {
+  m.def("bf16_linear_amx_available() -> bool", &bf16_linear_amx_available);
+  m.def("bf16_linear_packed_amx(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor", &bf16_linear_packed_amx);
+}
