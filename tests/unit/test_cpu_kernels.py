@@ -158,7 +158,8 @@ def test_amx_bf16_runs_from_its_row_threshold_and_only_on_whole_tiles():
     assert torch.equal(kernel(x[:1], weight), vdp[:1])  # one row: VDPBF16PS
     assert PackedBf16Linear(torch.randn(8, 48).to(torch.bfloat16), ops, amx_min_rows=2).amx_min_rows is None
     with pytest.raises(RuntimeError, match="multiple of 32"):
-        ops.bf16_linear_packed_amx(torch.randn(2, 48).to(torch.bfloat16), ops.bf16_pack_weight(weight[:, :48]), 48, None)
+        ops.bf16_linear_packed_amx(torch.randn(2, 48).to(torch.bfloat16), ops.bf16_pack_weight(weight[:, :48]),
+                                   48, None)
 
 
 def test_packed_bf16_keeps_leading_dims_and_takes_strided_input():

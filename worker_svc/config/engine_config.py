@@ -7,7 +7,9 @@ from typing import Any
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 MLA_DECODE_MODES = ("absorbed", "normal")
-CPU_BF16_LINEAR_KERNELS = ("auto", "aten", "amx_bf16", "avx512_bf16", "fbgemm_fp16", "fbgemm_fp16_lowmem", "blocked_upcast")
+CPU_BF16_LINEAR_KERNELS = (
+    "auto", "aten", "amx_bf16", "avx512_bf16", "fbgemm_fp16", "fbgemm_fp16_lowmem", "blocked_upcast"
+)
 CPU_QUANT_KERNELS = ("auto", "avx512", "avx2", "aten")
 MOE_EXPERT_KERNELS = ("auto", "loop", "grouped")
 
