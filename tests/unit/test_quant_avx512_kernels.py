@@ -27,9 +27,13 @@ pytestmark = pytest.mark.skipif(
     not AVX512, reason="AVX-512 kernels cannot run: the CPU lacks AVX-512 F/BW/VL/DQ or the C++ kernels did not build"
 )
 needs_bf16 = pytest.mark.skipif(not AVX512_BF16, reason="this CPU lacks AVX512-BF16: the VDPBF16PS path cannot run")
+AMX = AVX512 and bool(OPS.quant_amx_available())
+needs_amx = pytest.mark.skipif(
+    not AMX, reason="this CPU lacks AMX-BF16 (or the OS does not grant the tile state): int4's AMX path cannot run"
+)
 
 ROWS = [1, 2, 5, 16, 33, 130]
-FP32_PATH, BF16_PATH, AUTO = 1, 2, 0
+FP32_PATH, BF16_PATH, AMX_PATH, AUTO = 1, 2, 3, 0
 # (activation dtype, mode): the fp32 path for every dtype, the bf16 path, and what mode 0 picks for bf16.
 PATHS = [
     (torch.float32, FP32_PATH),
@@ -38,6 +42,7 @@ PATHS = [
     pytest.param(torch.bfloat16, BF16_PATH, marks=needs_bf16),
     (torch.bfloat16, AUTO),
 ]
+INT4_PATHS = [*PATHS, pytest.param(torch.bfloat16, AMX_PATH, marks=needs_amx)]
 
 
 def _data(rows: int, out_features: int, in_features: int, dtype: torch.dtype, seed: int = 0):
@@ -82,7 +87,7 @@ def test_int8_weight_only_matches_fp32(shape, dtype, mode):
         assert _int8(kernel, x[:rows], mode).dtype == dtype
 
 
-@pytest.mark.parametrize("dtype,mode", PATHS)
+@pytest.mark.parametrize("dtype,mode", INT4_PATHS)
 @pytest.mark.parametrize(
     "shape,group", [((37, 64), 32), ((33, 96), 32), ((130, 256), 64), ((64, 1024), 128), ((16, 512), 256)]
 )
@@ -92,6 +97,37 @@ def test_int4_weight_only_matches_fp32(shape, group, dtype, mode):
     w = kernel.dequantized()
     for rows in ROWS:
         _assert_close(_int4(kernel, x[:rows], mode), x[:rows].float() @ w.t(), f"rows={rows}")
+
+
+@needs_amx
+@pytest.mark.parametrize("rows", [2, 16, 17, 31, 32, 33, 64, 100])
+@pytest.mark.parametrize("out_features", [16, 33, 64, 200])
+def test_int4_amx_path_every_tile_step_with_bias_and_leading_dims(rows, out_features):
+    """1-2 row blocks x 1-2 output groups per tile step, ragged rows (padded tiles) and outputs, the bias
+    added before the one rounding; the same bits with or without leading dims, and the same bits for a row
+    alone as inside the batch (each row on its own)."""
+    weight, x = _data(rows, out_features, 256, torch.bfloat16, seed=rows)
+    bias = torch.randn(out_features).to(torch.bfloat16)
+    kernel = Int4WeightOnlyKernel(weight, torch.bfloat16, 64, ops=OPS, isa="avx512")
+
+    def run(x_: torch.Tensor) -> torch.Tensor:
+        return OPS.int4_weight_linear_avx512(x_, kernel.packed, out_features, 64, torch.bfloat16, bias, AMX_PATH)
+
+    out = run(x)
+    _assert_close(out, x.float() @ kernel.dequantized().t() + bias.float(), f"rows={rows}")
+    if rows % 2 == 0:
+        assert torch.equal(run(x.view(2, rows // 2, 256)).view(rows, -1), out)
+    assert torch.equal(run(x[-1:].repeat(2, 1))[:1], out[-1:])
+    assert torch.equal(kernel(x, weight, bias), out)  # what the model calls picks AMX from 2 rows
+
+
+@needs_amx
+def test_int4_amx_path_refuses_groups_that_are_not_whole_tiles():
+    weight, x = _data(4, 32, 64, torch.bfloat16)
+    kernel = Int4WeightOnlyKernel(weight, torch.bfloat16, 16, ops=OPS, isa="avx512")
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        OPS.int4_weight_linear_avx512(x, kernel.packed, 32, 16, torch.bfloat16, None, AMX_PATH)
+    _assert_close(kernel(x, weight), x.float() @ kernel.dequantized().t(), "group 16 under auto: the bf16 path")
 
 
 @pytest.mark.parametrize("scale_dtype", [torch.float32, torch.float16])
@@ -105,7 +141,8 @@ def test_int4_scales_in_another_dtype_than_the_activations(scale_dtype):
 @needs_bf16
 def test_auto_mode_takes_the_documented_path():
     """mode 0 with bf16 activations: int8 takes the fp32 path up to four rows and the bf16 panel from five
-    on, int4 the bf16 path at every row count. Told apart by denormal activations, which VDPBF16PS treats
+    on, int4 the bf16 path at every row count (its AMX path from two rows where the CPU has AMX, which treats
+    denormal inputs as zero too). Told apart by denormal activations, which VDPBF16PS treats
     as zero and the fp32 FMAs do not (they alternate in sign, so int4's per-group sums of x are zero and
     only x . q carries them)."""
     weight, _ = _data(1, 48, 256, torch.float32)

@@ -18,58 +18,19 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <cpuid.h>
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx.h"
 
 #include <cstdint>
 #include <cstring>
 
 namespace {
 
-#define LLMSERVE_AMX __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")))
+using llmserve::cpu_has_amx_bf16;
+using llmserve::load_amx_tile_config;
 
-constexpr int64_t kGroup = 16;    // outputs per group (one B tile's columns)
-constexpr int64_t kTileRows = 16; // rows of x per A tile
-constexpr int64_t kTileK = 32;    // inputs per A/B tile (16 pairs)
-
-// Linux hands out the AMX tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM); without it the
-// first tile instruction raises SIGILL. The grant is per process and lasts.
-bool request_amx_permission() {
-  constexpr long kArchReqXcompPerm = 0x1023;
-  constexpr long kXfeatureXtiledata = 18;
-  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-}
-
-bool cpu_has_amx_bf16() {
-  static const bool has = [] {
-    unsigned eax, ebx, ecx, edx;
-    if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
-    const bool amx_bf16 = (edx >> 22) & 1, amx_tile = (edx >> 24) & 1;
-    const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
-    return amx_bf16 && amx_tile && avx512 && request_amx_permission();
-  }();
-  return has;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette_id = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-LLMSERVE_AMX void load_tile_config() {
-  TileConfig config;
-  for (int t = 0; t < 8; ++t) {  // every tile used: 16 rows of 64 bytes
-    config.colsb[t] = 64;
-    config.rows[t] = kTileRows;
-  }
-  _tile_loadconfig(&config);
-}
+constexpr int64_t kGroup = 16;  // outputs per group (one B tile's columns)
+constexpr int64_t kTileRows = llmserve::kAmxTileRows;
+constexpr int64_t kTileK = llmserve::kAmxTileK;
 
 // C tiles -> bf16 y (+ bias): rows [0, valid_rows) of the block, columns [0, valid_cols) of the group.
 LLMSERVE_AMX void store_block(const float* c, const float* bias, uint16_t* y, int64_t ldy, int64_t valid_rows,
@@ -119,7 +80,7 @@ BlockFn pick(int mb, int nb) {
 // Output groups [begin, end) for every row: one thread's share.
 LLMSERVE_AMX void run_groups(int64_t begin, int64_t end, const uint16_t* xp, int64_t rows, int64_t k, const uint16_t* wp,
                              int64_t group_stride, const float* bp, uint16_t* yp, int64_t n) {
-  load_tile_config();  // tile state is per thread
+  load_amx_tile_config();  // tile state is per thread
   alignas(64) float c[4 * kTileRows * kGroup];
   for (int64_t g = begin; g < end; g += 2) {
     const int nb = static_cast<int>(std::min<int64_t>(2, end - g));

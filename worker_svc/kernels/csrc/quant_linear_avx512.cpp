@@ -21,6 +21,11 @@
 //          bf16 path: a word-wise shift puts nibbles t and 4 + t at the bottom of the two halves of each
 //          word, VPERMW looks up (q - 8) as bf16 (exact), one VDPBF16PS takes (x[8b + t], x[8b + 4 + t]).
 //          Per quantization group: total += s * (x . (q - 8)) + z * sum(x over the group).
+//          AMX path (from kI4AmxMinRows bf16 rows, quantization groups of whole 32-input tiles, on CPUs
+//          with AMX-BF16): those same words are AMX's B rows as they are (16 outputs x the input pair
+//          (8b + t, 8b + 4 + t)), so per pair of output groups they are written once into B tiles for the
+//          whole K, and the tiles multiply 16-row blocks of x paired the same way; the group fold reads
+//          the tiles' fp32 sums.
 //   A bias (any float dtype) is added in fp32 before the one rounding to the output dtype.
 //
 // Tiles: MR rows x NV groups of 16 outputs in fp32 registers; threads (at::parallel_for) split the
@@ -32,6 +37,8 @@
 #include <torch/library.h>
 
 #include <immintrin.h>
+
+#include "amx.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -370,6 +377,108 @@ LLMSERVE_AVX512_BF16 void i4_tile_bf16(const uint32_t* x, int64_t ldx, Int4Args 
   i4_store<MR, NV>(total, o, row, n0, valid);
 }
 
+// ---- int4 on AMX -----------------------------------------------------------------------------------
+
+constexpr int64_t kTileFloats = llmserve::kAmxTileRows * kOut;
+constexpr int64_t kPanelRowElems = 2 * kOut;  // one B row: 16 outputs x 2 bf16
+
+// Output group v's (q - 8) over quantization group q as bf16 B rows: row 4 bb + t = the bf16 path's words
+// of block bb, step t; rows [16 u, 16 u + 16) are the B tile of the group's inputs [32 u, 32 u + 32).
+LLMSERVE_AMX void i4_amx_b_tiles(const Int4Args& a, int v, int64_t q, uint16_t* rows) {
+  const __m512i table = _mm512_load_si512(kI4Bf16Table);
+  for (int64_t bb = 0; bb < a.blocks_per_group; ++bb) {
+    const uint32_t* wp = a.block(v, q, bb);
+    prefetch_ahead(wp);
+    __m512i words = _mm512_loadu_si512(wp);
+    for (int t = 0; t < 4; ++t) {
+      _mm512_store_si512(rows + (4 * bb + t) * kPanelRowElems, _mm512_permutexvar_epi16(words, table));
+      words = _mm512_srli_epi16(words, 4);
+    }
+  }
+}
+
+// c[i * 2 + j] = x rows [16 i, 16 i + 16) . (q - 8) of output group j over `tiles` input tiles.
+// x: pair words at the group's first input (row stride ldx words); b: output group 0's B rows, group 1's
+// b_stride elements on.
+template <int MB, int NB>
+LLMSERVE_AMX void i4_amx_dot(const uint32_t* x, int64_t ldx, const uint16_t* b, int64_t b_stride, int64_t tiles,
+                             float* c) {
+  _tile_zero(0);
+  if constexpr (NB == 2) _tile_zero(1);
+  if constexpr (MB == 2) _tile_zero(2);
+  if constexpr (MB == 2 && NB == 2) _tile_zero(3);
+  constexpr int64_t kWordsPerTile = llmserve::kAmxTileK / 2;
+  for (int64_t u = 0; u < tiles; ++u) {
+    _tile_loadd(4, x + u * kWordsPerTile, ldx * 4);
+    if constexpr (MB == 2) _tile_loadd(5, x + llmserve::kAmxTileRows * ldx + u * kWordsPerTile, ldx * 4);
+    _tile_loadd(6, b + u * 16 * kPanelRowElems, 64);
+    if constexpr (NB == 2) _tile_loadd(7, b + b_stride + u * 16 * kPanelRowElems, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (NB == 2) _tile_dpbf16ps(1, 4, 7);
+    if constexpr (MB == 2) _tile_dpbf16ps(2, 5, 6);
+    if constexpr (MB == 2 && NB == 2) _tile_dpbf16ps(3, 5, 7);
+  }
+  _tile_stored(0, c, 64);
+  if constexpr (NB == 2) _tile_stored(1, c + kTileFloats, 64);
+  if constexpr (MB == 2) _tile_stored(2, c + 2 * kTileFloats, 64);
+  if constexpr (MB == 2 && NB == 2) _tile_stored(3, c + 3 * kTileFloats, 64);
+}
+
+using I4AmxDot = void (*)(const uint32_t*, int64_t, const uint16_t*, int64_t, int64_t, float*);
+
+I4AmxDot i4_amx_pick(int mb, int nb) {
+  if (mb == 2) return nb == 2 ? &i4_amx_dot<2, 2> : &i4_amx_dot<2, 1>;
+  return nb == 2 ? &i4_amx_dot<1, 2> : &i4_amx_dot<1, 1>;
+}
+
+// One thread's output groups [begin, end), two at a time, for every row: per quantization group, its B
+// tiles are written once (into L1) and every block of 32 rows multiplies them, folding its valid rows into
+// fp32 totals [rows, 32]. x: pair words [rows padded to 16, ldx]; args.xsum likewise.
+LLMSERVE_AMX void i4_amx_groups(int64_t begin, int64_t end, const Int4Args& args, const uint32_t* x, int64_t ldx,
+                                int64_t M, OutView o, int64_t n, uint16_t* b_rows, float* total) {
+  llmserve::load_amx_tile_config();
+  alignas(64) float c[4 * kTileFloats];
+  const int64_t tiles = args.blocks_per_group * kI4Block / llmserve::kAmxTileK;
+  const int64_t b_stride = tiles * 16 * kPanelRowElems;  // elements of one output group's B tiles
+  const int64_t words_per_group = args.blocks_per_group * kI4Block / 2;
+  for (int64_t g = begin; g < end; g += 2) {
+    const int nb = static_cast<int>(std::min<int64_t>(2, end - g));
+    Int4Args a = args;
+    a.w += g * args.gstride;
+    std::fill(total, total + M * 2 * kOut, 0.f);
+    for (int64_t q = 0; q < a.groups; ++q) {
+      for (int v = 0; v < nb; ++v) i4_amx_b_tiles(a, v, q, b_rows + v * b_stride);
+      __m512 s[2], z[2];
+      for (int j = 0; j < nb; ++j) {
+        const uint8_t* sz = a.record(j, q);
+        s[j] = load16(sz, a.sz_kind);
+        z[j] = load16(sz + kOut * a.sz_bytes, a.sz_kind);
+      }
+      for (int64_t r = 0; r < M; r += 2 * llmserve::kAmxTileRows) {
+        const int mb = M - r > llmserve::kAmxTileRows ? 2 : 1;
+        i4_amx_pick(mb, nb)(x + r * ldx + q * words_per_group, ldx, b_rows, b_stride, tiles, c);
+        for (int i = 0; i < mb; ++i)
+          for (int64_t m = 0; m < llmserve::kAmxTileRows; ++m) {
+            const int64_t row = r + i * llmserve::kAmxTileRows + m;
+            if (row >= M) break;  // padding rows: computed, never folded
+            const __m512 xs = _mm512_set1_ps(a.xsum[row * a.ldxs + q]);
+            for (int j = 0; j < nb; ++j) {
+              float* t = total + row * 2 * kOut + j * kOut;
+              const __m512 dot = _mm512_load_ps(c + (i * 2 + j) * kTileFloats + m * kOut);
+              _mm512_storeu_ps(t, _mm512_fmadd_ps(z[j], xs, _mm512_fmadd_ps(dot, s[j], _mm512_loadu_ps(t))));
+            }
+          }
+      }
+    }
+    for (int64_t row = 0; row < M; ++row)
+      for (int j = 0; j < nb; ++j) {
+        const int64_t col = (g + j) * kOut;
+        if (col < n) store_out(o, row, col, _mm512_loadu_ps(total + row * 2 * kOut + j * kOut), mask_for(n - col));
+      }
+  }
+  _tile_release();
+}
+
 // ---- tile selection and threading ----------------------------------------------------------------
 
 // Register blocks (rows x output groups): one row streams the weights (more output groups in flight);
@@ -432,7 +541,8 @@ struct I4Bf16 {
   template <typename... A> static void run(const A&... a) { i4_tile_bf16<MR, NV>(a...); }
 };
 
-// mode: 0 = the faster path for these inputs, 1 = fp32 path, 2 = bf16 path (bf16 x, AVX512-BF16).
+// mode: 0 = the faster path for these inputs, 1 = fp32 path, 2 = bf16 path (bf16 x, AVX512-BF16),
+// 3 = int4's AMX path.
 bool use_bf16_path(const at::Tensor& x, int64_t rows, int64_t mode, int64_t min_rows, const char* op) {
   TORCH_CHECK(mode >= 0 && mode <= 2, op, ": mode must be 0 (auto), 1 (fp32) or 2 (bf16)");
   if (mode == 2) {
@@ -441,6 +551,20 @@ bool use_bf16_path(const at::Tensor& x, int64_t rows, int64_t mode, int64_t min_
     return true;
   }
   return mode == 0 && cpu_has_avx512_bf16() && x.scalar_type() == at::kBFloat16 && rows >= min_rows;
+}
+
+// int4 from this many rows of bf16 activations on AMX CPUs: the AMX path (mode 3 forces it).
+constexpr int64_t kI4AmxMinRows = 2;
+
+bool use_i4_amx_path(const at::Tensor& x, int64_t rows, int64_t group, int64_t& mode, const char* op) {
+  const bool fits = x.scalar_type() == at::kBFloat16 && group % llmserve::kAmxTileK == 0;
+  if (mode == 3) {
+    TORCH_CHECK(llmserve::cpu_has_amx_bf16(), op, ": the AMX path needs AMX-BF16 (granted by the OS)");
+    TORCH_CHECK(fits, op, ": the AMX path needs bfloat16 activations and groups of a multiple of 32");
+    mode = 2;  // what the rest of the call reads: the bf16 activation layout
+    return true;
+  }
+  return mode == 0 && fits && rows >= kI4AmxMinRows && llmserve::cpu_has_amx_bf16();
 }
 
 // The activations as [rows, K] (any leading dims), the output [..., n] and its view for the tiles.
@@ -568,17 +692,21 @@ at::Tensor int4_weight_linear_avx512(const at::Tensor& x_in, const at::Tensor& p
                   packed.size(1) == groups && packed.size(2) == qstride,
               op, ": packed must be uint8 [", G, ", ", groups, ", ", qstride, "] for ", n, " outputs, ", K,
               " features, group ", group, " and ", scale_dtype, " scales");
-  const bool bf16_path = use_bf16_path(c.x, M, mode, 1, op);
+  const bool amx_path = use_i4_amx_path(c.x, M, group, mode, op);
+  const bool bf16_path = amx_path || use_bf16_path(c.x, M, mode, 1, op);
   if (M == 0 || n == 0) return c.out;
   const OutView o = c.o;
   const Kind x_kind = kind_of(c.x.scalar_type(), op);
+  // The AMX path reads x in whole 16-row tiles: rows up to padded_rows, zero beyond M.
+  const int64_t padded_rows = amx_path ? (M + llmserve::kAmxTileRows - 1) / llmserve::kAmxTileRows * llmserve::kAmxTileRows : M;
   // Scratch: per row the sums of x per quantization group, then the fp32 path's fp32 copy of x (unless x
   // is fp32 already) or the bf16 path's pairs of x; then one fp32 row for the bf16 path's sums.
   const bool need_x32 = !bf16_path && x_kind != Kind::f32;
   const int64_t row_words = groups + (bf16_path ? K / 2 : need_x32 ? K : 0);
   at::Tensor holder;
-  float* xsum = scratch(M * row_words + (bf16_path ? K : 0), holder);
-  float* row32 = xsum + M * row_words;
+  float* xsum = scratch(padded_rows * row_words + (bf16_path ? K : 0), holder);
+  float* row32 = xsum + padded_rows * row_words;
+  std::fill(xsum + M * row_words, row32, 0.f);
   const int64_t esize = c.x.element_size();
   for (int64_t m = 0; m < M; ++m) {
     const char* src = static_cast<const char*>(c.x.data_ptr()) + m * K * esize;
@@ -603,7 +731,16 @@ at::Tensor int4_weight_linear_avx512(const at::Tensor& x_in, const at::Tensor& p
     t.xsum += r * row_words;
     return t;
   };
-  if (bf16_path) {
+  if (amx_path) {
+    const uint32_t* xp = reinterpret_cast<const uint32_t*>(xsum + groups);
+    at::parallel_for(0, G, 1, [&](int64_t begin, int64_t end) {
+      // 64-byte aligned B rows for two output groups over one quantization group, and the fp32 totals.
+      struct alignas(64) BRow { uint16_t v[kPanelRowElems]; };
+      std::vector<BRow> b_rows(2 * group / llmserve::kAmxTileK * 16);
+      std::vector<float> total(M * 2 * kOut);
+      i4_amx_groups(begin, end, a, xp, row_words, M, o, n, reinterpret_cast<uint16_t*>(b_rows.data()), total.data());
+    });
+  } else if (bf16_path) {
     const uint32_t* xp = reinterpret_cast<const uint32_t*>(xsum + groups);
     const Blocking blk = M == 1 ? kOneRow : kDirect;
     for_tiles(M, G, K, blk, 0, kNoPrepare, [&](int mr, int nv, int64_t r, int64_t g, const uint16_t*) {
@@ -630,12 +767,14 @@ at::Tensor int4_weight_linear_avx512(const at::Tensor& x_in, const at::Tensor& p
 
 bool quant_avx512_available() { return cpu_has_avx512(); }
 bool quant_avx512_bf16_available() { return cpu_has_avx512_bf16(); }
+bool quant_amx_available() { return llmserve::cpu_has_amx_bf16(); }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(llmserve_cpu, m) {
   m.def("quant_avx512_available() -> bool", &quant_avx512_available);
   m.def("quant_avx512_bf16_available() -> bool", &quant_avx512_bf16_available);
+  m.def("quant_amx_available() -> bool", &quant_amx_available);
   m.def("int8_weight_linear_avx512(Tensor x, Tensor packed, Tensor scale, int n, Tensor? bias=None, int mode=0) -> Tensor",
         &int8_weight_linear_avx512);
   m.def("int4_weight_linear_avx512(Tensor x, Tensor packed, int n, int group, ScalarType scale_dtype, Tensor? bias=None, "
