@@ -19,6 +19,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -118,6 +119,31 @@ def run_llama_cpp(bin_dir: Path, gguf: str, threads: int, output_len: int) -> di
             16: {"step_ms": 16e3 / gen16, "tok_s": gen16, "prefill_tok_s": float(cells[5])}}
 
 
+# Acceptance 2 of issue 15: the bs1 linears' share of the host's read bandwidth, bf16 and the weight-only configs.
+BANDWIDTH_QUANTS = ("none", "int8wo", "int4wo-32")
+ISA_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8")
+
+
+def host_description(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """The CPU's model name and the ISA extensions the kernels choose by, from /proc/cpuinfo."""
+    try:
+        lines = cpuinfo.read_text().splitlines()
+    except OSError:
+        return "unknown (no /proc/cpuinfo)"
+    model = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "unknown")
+    flags = next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), [])
+    return f"{model}, {os.cpu_count()} CPUs, ISA: {' '.join(f for f in ISA_FLAGS if f in flags) or 'baseline'}"
+
+
+def _failure(exc: subprocess.CalledProcessError | subprocess.TimeoutExpired) -> str:
+    name = Path(str(exc.cmd[0])).name
+    if isinstance(exc, subprocess.TimeoutExpired):
+        return f"{name} timed out after {exc.timeout:.0f} s"
+    if exc.returncode < 0:
+        return f"{name} died with {signal.Signals(-exc.returncode).name}"
+    return f"{name} exited with status {exc.returncode}"
+
+
 def run_bandwidth(model: str, threads: int, quant: str) -> dict[str, float]:
     out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "linear_bandwidth.py"), model, "--quant", quant,
                           "--threads", str(threads), "--json"], cwd=ROOT, check=True, capture_output=True, text=True,
@@ -162,7 +188,7 @@ def main() -> None:
             for measure, value in figures.items():
                 table.setdefault((engine, measure, batch), Series()).values.append(value)
 
-    bandwidth = []
+    bandwidth: dict[str, list[dict[str, float]]] = {}
     try:
         for round_no in range(1, args.rounds + 1):
             print(f"round {round_no}/{args.rounds}", file=sys.stderr)
@@ -171,14 +197,21 @@ def main() -> None:
             if vllm is not None:
                 record("vLLM-CPU bf16", {b: vllm.measure(b, args.output_len) for b in (1, 16)})
             if llama_bin is not None and gguf is not None:
-                record("llama.cpp Q4_1", run_llama_cpp(llama_bin, gguf, args.threads, args.output_len))
-            bandwidth.append(run_bandwidth(model, args.threads, "none"))
+                try:
+                    record("llama.cpp Q4_1", run_llama_cpp(llama_bin, gguf, args.threads, args.output_len))
+                except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
+                    # A peer that crashes on this host (llama.cpp's AMX path has) is reported, not fatal.
+                    skipped.append(f"llama.cpp from round {round_no}: {_failure(exc)}")
+                    llama_bin = None
+            for quant in BANDWIDTH_QUANTS:
+                bandwidth.setdefault(quant, []).append(run_bandwidth(model, args.threads, quant))
     finally:
         if vllm is not None:
             vllm.close()
 
     engines = list(dict.fromkeys(engine for engine, _, _ in table))
     print(f"\nmodel {model}, {args.threads} threads, input {INPUT_LEN}, output {args.output_len}, {args.rounds} rounds")
+    print(f"host: {host_description()}")
     print("\n| engine | decode step bs1 ms | decode tok/s bs1 | decode step bs16 ms | decode tok/s bs16 (aggregate) "
           "| prefill 128 tok/s bs1 |")
     print("|---|---|---|---|---|---|")
@@ -199,13 +232,14 @@ def main() -> None:
     for ours, peer in pairs:
         print(f"- {ours} / {peer}: decode bs1 {ratio(ours, peer, 'tok_s', 1)}, decode bs16 "
               f"{ratio(ours, peer, 'tok_s', 16)}, prefill bs1 {ratio(ours, peer, 'prefill_tok_s', 1)}")
-    if bandwidth:
-        fractions = [b["fraction_of_host"] for b in bandwidth]
-        linears = " / ".join(format(b["linears_gbs"], ".1f") for b in bandwidth)
-        host = " / ".join(format(b["host_read_gbs"], ".1f") for b in bandwidth)
+    for quant, runs in bandwidth.items():
+        fractions = [b["fraction_of_host"] for b in runs]
+        linears = " / ".join(format(b["linears_gbs"], ".1f") for b in runs)
+        host = " / ".join(format(b["host_read_gbs"], ".1f") for b in runs)
         shares = " / ".join(format(f, ".0%") for f in fractions)
-        print(f"\nbs1 bf16 linears: {linears} GB/s against the host's {host} GB/s read bandwidth "
-              f"({shares}; median {statistics.median(fractions):.0%})")
+        name = "bf16" if quant == "none" else quant
+        print(f"bs1 {name} linears: {linears} GB/s of their own bytes against the host's {host} GB/s read "
+              f"bandwidth ({shares}; median {statistics.median(fractions):.0%})")
     for line in skipped:
         print(f"skipped {line}")
 

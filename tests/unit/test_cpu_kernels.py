@@ -184,3 +184,49 @@ def test_packed_bf16_refuses_what_it_cannot_run():
     kernel = PackedBf16Linear(torch.randn(8, 4).to(torch.bfloat16), ops)
     with pytest.raises(TypeError, match="bfloat16 input"):
         kernel(torch.randn(1, 4), torch.empty(0))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("tokens,head_dim", [(1, 64), (7, 128), (130, 36)])
+def test_rotary_rotate_half_is_bit_identical_to_the_torch_path(dtype, tokens, head_dim):
+    """On strided q / k (slices of a fused qkv row, as the Llama attention passes them), every head size
+    (36: a tail of 2 past the vector loop), many tokens (threads split them)."""
+    from worker_svc.config.model_config import RopeConfig
+    from worker_svc.kernels import cpu_ext
+    from worker_svc.layers.rotary import RotaryEmbedding, RotateHalfRope, apply_rotary
+
+    ops = cpu_ext.load()
+    if ops is None:
+        pytest.skip("the C++ kernels did not build (or the CPU lacks AVX2): the torch path runs instead")
+    rope = RotaryEmbedding(RopeConfig(theta=10000.0), head_dim, 4096)
+    rope.build_cache(torch.device("cpu"))
+    gen = torch.Generator().manual_seed(tokens)
+    positions = torch.randint(0, 4096, (tokens,), generator=gen)
+    cos_sin = rope.lookup(positions, dtype)
+    qkv = (torch.randn(tokens, (9 + 2 * 3) * head_dim, generator=gen) * 4).to(dtype)
+    q, k, _ = qkv.split([9 * head_dim, 3 * head_dim, 3 * head_dim], dim=-1)
+    q, k = q.view(tokens, 9, head_dim), k.view(tokens, 3, head_dim)
+    layer = RotateHalfRope()
+    layer.cpu_ops = ops
+    got_q, got_k = layer(q, k, cos_sin)
+    want_q, want_k = apply_rotary(q, k, cos_sin)
+    assert got_q.is_contiguous() and got_k.is_contiguous()
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+    q32, k32 = layer(q.float(), k.float(), (cos_sin[0].float(), cos_sin[1].float()))  # fp32: the torch path
+    assert torch.equal(q32, apply_rotary(q.float(), k.float(), (cos_sin[0].float(), cos_sin[1].float()))[0])
+
+
+def test_rotary_rotate_half_refuses_what_it_cannot_run():
+    from worker_svc.kernels import cpu_ext
+
+    ops = cpu_ext.load()
+    if ops is None:
+        pytest.skip("the C++ kernels did not build (or the CPU lacks AVX2)")
+    q, k = torch.randn(2, 4, 64).to(torch.bfloat16), torch.randn(2, 2, 64).to(torch.bfloat16)
+    cos = torch.randn(2, 1, 64).to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        ops.rotary_rotate_half(q, k, cos.float(), cos.float())
+    with pytest.raises(RuntimeError, match="disagree"):
+        ops.rotary_rotate_half(q, k[:1], cos, cos)
+    with pytest.raises(RuntimeError, match="float32"):
+        ops.rotary_rotate_half(q.float(), k.float(), cos.float(), cos.float())

@@ -30,6 +30,7 @@ from worker_svc.layers.embedding import ParallelLMHead
 from worker_svc.layers.linear import KernelLinear, embedding_parameter_ids, release_weight
 from worker_svc.layers.moe import DeepseekMoE, TopKRouter
 from worker_svc.layers.norm import RMSNorm
+from worker_svc.layers.rotary import RotateHalfRope
 
 log = structlog.get_logger(__name__)
 
@@ -39,7 +40,7 @@ class KernelPlan:
     # bf16 linears on the CPU: "aten" (also whenever the weights are not bf16 on the CPU), "amx_bf16", "avx512_bf16",
     # "fbgemm_fp16", "fbgemm_fp16_lowmem" or "blocked_upcast" (EngineConfig.cpu_bf16_linear).
     bf16_linear: str
-    cpu_ops: object | None  # the AVX2 kernels (cpu_ext.load()) for RMSNorm and decode attention, None off x86
+    cpu_ops: object | None  # the AVX2 kernels (cpu_ext.load()) for RMSNorm, rotary and decode attention; None off x86
     mla: bool  # the model's attention is MLA (one latent per token), not per-head K/V
     mla_decode: str  # MLA only: "absorbed" | "normal"
     quant_ops: object | None  # this project's kernels for quantized CPU layers, None for aten's (or no quantization)
@@ -50,6 +51,9 @@ class KernelPlan:
     # fp32 linear's input to (None where every count already rounds alike, or not deterministic).
     deterministic: bool = False
     fp32_row_padding: tuple[int, ...] | None = None
+    # The CPU grants AMX-BF16 to this project's kernels: int4 weight-only linears (quant_kernel "avx512") run
+    # on AMX tiles from a few bf16 rows (describe() says how many); bf16 linears do under bf16_linear "amx_bf16".
+    amx: bool = False
 
     @property
     def attention_decode(self) -> str:
@@ -63,12 +67,15 @@ class KernelPlan:
             "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "bf16_linear": self.bf16_linear,
             "rms_norm": "avx2" if self.cpu_ops is not None else "torch",
+            "rotary": "avx2" if self.cpu_ops is not None else "torch",
             "attention": "torch_native_mla" if self.mla else "torch_native",
             "attention_decode": self.attention_decode,
             "moe_experts": self.moe_experts,
         }
         if self.quant_kernel is not None:
             plan["quant_kernel"] = self.quant_kernel
+            if self.quant_kernel == "avx512" and self.amx:
+                plan["int4_amx_min_rows"] = str(self.quant_ops.int4_amx_min_rows())  # type: ignore[attr-defined]
         if self.deterministic:
             plan["deterministic"] = "fp32 linears row_stable" if self.fp32_row_padding else "on"
         return plan
@@ -162,6 +169,7 @@ def choose_kernels(
         quant_ops=quant_ops,
         moe_experts=_moe_experts(engine_config, quant, device),
         quant_kernel=quant_kernel,
+        amx=cpu_ops is not None and bool(cpu_ops.quant_amx_available()),  # type: ignore[attr-defined]
         deterministic=engine_config.deterministic_inference,
         fp32_row_padding=(probe_row_padding(device)
                           if engine_config.deterministic_inference and on_cpu and dtype == torch.float32 else None),
@@ -183,7 +191,7 @@ def apply_kernels(model: nn.Module, plan: KernelPlan) -> None:
             if isinstance(module, (KernelLinear, ParallelLMHead, TopKRouter)) and not module.quantized:
                 module.kernel = row_stable
     for module in model.modules():
-        if isinstance(module, RMSNorm):
+        if isinstance(module, (RMSNorm, RotateHalfRope)):
             module.cpu_ops = plan.cpu_ops
 
 

@@ -11,6 +11,7 @@ The cos/sin table is a plain attribute computed on the target device after the m
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import nn
@@ -121,6 +122,26 @@ def apply_rotary(
     """q: [tokens, q_heads, head_dim], k: [tokens, kv_heads, head_dim]; cos/sin broadcast over heads."""
     cos, sin = cos_sin
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+class RotateHalfRope(nn.Module):
+    """``apply_rotary`` as a layer whose kernel the kernel plan picks: this project's C++ op (``cpu_ops``,
+    kernels/csrc/rotary_avx2.cpp: bit for bit the torch path, one call instead of ten) for bf16/fp16 on
+    the CPU, the torch path otherwise. No parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cpu_ops: Any = None  # torch.ops.llmserve_cpu (untyped op namespace) or None
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = cos_sin
+        if (self.cpu_ops is not None and q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16)
+                and cos.dtype == q.dtype == k.dtype):
+            q_out, k_out = self.cpu_ops.rotary_rotate_half(q, k, cos, sin)
+            return q_out, k_out
+        return apply_rotary(q, k, cos_sin)
 
 
 def apply_rotary_interleaved(

@@ -16,7 +16,7 @@ from worker_svc.config.model_config import ModelConfig
 from worker_svc.forward_batch import ForwardBatch
 from worker_svc.layers.linear import QKVParallelLinear, RowParallelLinear
 from worker_svc.layers.mlp import GatedMLP
-from worker_svc.layers.rotary import RotaryEmbedding, apply_rotary
+from worker_svc.layers.rotary import RotaryEmbedding, RotateHalfRope
 from worker_svc.models.decoder import CausalLM, DecoderLayer, DecoderModel, Rope, StackedParams
 from worker_svc.parallel.context import TPContext
 
@@ -34,6 +34,7 @@ class LlamaAttention(nn.Module):
         )
         self.o_proj = RowParallelLinear(config.q_size, config.hidden_size, config.attention_bias, tp)
         self.head_dim = config.head_dim
+        self.rotary = RotateHalfRope()
         self.attn = AttentionLayer(
             layer_id,
             self.qkv_proj.num_heads,
@@ -50,7 +51,7 @@ class LlamaAttention(nn.Module):
         q = q.view(-1, self.attn.num_heads, self.head_dim)  # [tokens, q_heads, head_dim]
         k = k.view(-1, self.attn.num_kv_heads, self.head_dim)  # [tokens, kv_heads, head_dim]
         v = v.view(-1, self.attn.num_kv_heads, self.head_dim)  # [tokens, kv_heads, head_dim]
-        q, k = apply_rotary(q, k, rope)
+        q, k = self.rotary(q, k, rope)
         out = self.attn(q, k, v, batch)  # [tokens, q_heads * head_dim]
         return self.o_proj(out, reduce=reduce)
 

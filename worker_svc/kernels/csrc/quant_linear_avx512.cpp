@@ -768,6 +768,7 @@ at::Tensor int4_weight_linear_avx512(const at::Tensor& x_in, const at::Tensor& p
 bool quant_avx512_available() { return cpu_has_avx512(); }
 bool quant_avx512_bf16_available() { return cpu_has_avx512_bf16(); }
 bool quant_amx_available() { return llmserve::cpu_has_amx_bf16(); }
+int64_t int4_amx_min_rows() { return kI4AmxMinRows; }
 
 }  // namespace
 
@@ -775,6 +776,7 @@ TORCH_LIBRARY_FRAGMENT(llmserve_cpu, m) {
   m.def("quant_avx512_available() -> bool", &quant_avx512_available);
   m.def("quant_avx512_bf16_available() -> bool", &quant_avx512_bf16_available);
   m.def("quant_amx_available() -> bool", &quant_amx_available);
+  m.def("int4_amx_min_rows() -> int", &int4_amx_min_rows);
   m.def("int8_weight_linear_avx512(Tensor x, Tensor packed, Tensor scale, int n, Tensor? bias=None, int mode=0) -> Tensor",
         &int8_weight_linear_avx512);
   m.def("int4_weight_linear_avx512(Tensor x, Tensor packed, int n, int group, ScalarType scale_dtype, Tensor? bias=None, "
