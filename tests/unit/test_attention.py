@@ -100,6 +100,39 @@ def test_decode_avx2_kernel_equals_grouped_matmul(dtype, seq_lens, heads, kv_hea
 
 
 @needs_cpu_ops
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (8, 1, 64), (16, 2, 128), (4, 4, 32), (24, 2, 32)])
+def test_decode_avx512_path_equals_the_avx2_path_and_the_reference(dtype, heads, kv_heads, dim):
+    """The AVX-512 path holds up to 16 / (dim / 16) query heads of a KV head in registers: GQA within one
+    chunk, MQA and GQA over several chunks (24 heads of 32: 8 + 4; 16 of 128: 2 at a time), MHA."""
+    if not CPU_OPS.decode_attention_avx512_available():
+        pytest.skip("this CPU lacks AVX-512 F/BW/VL/DQ: the AVX-512 decode attention cannot run")
+    backend = TorchNativeAttentionBackend(decode_impl="avx2", cpu_ops=CPU_OPS)
+    batch, layer, q, k_new, v_new, table = _decode_batch(backend, dtype, [1, 17, 64, 3], heads, kv_heads, dim)
+    backend.forward(q, k_new, v_new, layer, batch)  # stores the new K/V
+    k_buf, v_buf = batch.kv_pool.buffers(0)
+    meta = batch.attn_metadata
+    args = (q.contiguous(), k_buf, v_buf, meta.slot_index, meta.seq_lens, layer.scaling)
+    avx2, avx512 = CPU_OPS.decode_attention(*args, 1), CPU_OPS.decode_attention(*args, 2)
+    assert avx512.dtype == dtype and torch.equal(CPU_OPS.decode_attention(*args), avx512)  # auto: AVX-512
+    ref = _dense_reference(q, batch, table, layer).view_as(avx512)
+    assert (avx512.float() - ref).abs().max().item() <= 2e-2
+    assert (avx512.float() - avx2.float()).abs().max().item() <= 1e-2  # one rounding of close fp32 sums
+
+
+@needs_cpu_ops
+def test_decode_avx512_path_refuses_what_it_cannot_run():
+    backend = TorchNativeAttentionBackend(decode_impl="avx2", cpu_ops=CPU_OPS)
+    for dtype, dim in ((torch.float32, 64), (torch.bfloat16, 20)):
+        batch, layer, q, _, _, _ = _decode_batch(backend, dtype, [4, 6], 4, 2, dim)
+        k_buf, v_buf = batch.kv_pool.buffers(0)
+        args = (q.contiguous(), k_buf, v_buf, batch.attn_metadata.slot_index, batch.attn_metadata.seq_lens, 0.25)
+        with pytest.raises(RuntimeError, match="AVX-512 path needs"):
+            CPU_OPS.decode_attention(*args, 2)
+        assert CPU_OPS.decode_attention(*args).shape == q.shape  # auto: the AVX2 code
+
+
+@needs_cpu_ops
 def test_decode_avx2_kernel_rejects_bad_lengths():
     backend = TorchNativeAttentionBackend(decode_impl="avx2", cpu_ops=CPU_OPS)
     batch, layer, q, _, _, _ = _decode_batch(backend, torch.float32, [4, 6])

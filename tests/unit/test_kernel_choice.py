@@ -93,6 +93,10 @@ def test_amx_kernel_runs_from_two_rows_and_from_one_under_deterministic_inferenc
 def test_attention_follows_the_model_kind_and_the_cpu_kernels():
     mha = _plan()
     assert mha.attention_decode == ("avx2" if cpu_ext.load() is not None else "grouped_matmul")
+    if cpu_ext.load() is not None:
+        avx512 = bool(cpu_ext.load().decode_attention_avx512_available())
+        assert mha.describe()["attention_decode_isa"] == ("avx512" if avx512 else "avx2")
+        assert _plan(torch.float32).describe()["attention_decode_isa"] == "avx2"  # fp32 pools: the AVX2 code
     backend = attention_backend(mha)
     assert isinstance(backend, TorchNativeAttentionBackend) and backend.decode_impl == mha.attention_decode
     mla = _plan(mla=True, mla_decode="normal")

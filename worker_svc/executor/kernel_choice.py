@@ -55,6 +55,10 @@ class KernelPlan:
     # on AMX tiles from a few bf16 rows (describe() says how many); bf16 linears do under bf16_linear "amx_bf16".
     amx: bool = False
 
+    # Inside the C++ decode attention ("avx2", the backend's name for it): "avx512" where the CPU has AVX-512
+    # and the model runs in bf16 / fp16 (head sizes 32, 64, 128; others take the AVX2 code), else "avx2".
+    attention_isa: str = "avx2"
+
     @property
     def attention_decode(self) -> str:
         if self.mla:
@@ -70,6 +74,7 @@ class KernelPlan:
             "rotary": "avx2" if self.cpu_ops is not None else "torch",
             "attention": "torch_native_mla" if self.mla else "torch_native",
             "attention_decode": self.attention_decode,
+            **({"attention_decode_isa": self.attention_isa} if self.attention_decode == "avx2" else {}),
             "moe_experts": self.moe_experts,
         }
         if self.quant_kernel is not None:
@@ -170,6 +175,8 @@ def choose_kernels(
         moe_experts=_moe_experts(engine_config, quant, device),
         quant_kernel=quant_kernel,
         amx=cpu_ops is not None and bool(cpu_ops.quant_amx_available()),  # type: ignore[attr-defined]
+        attention_isa=("avx512" if cpu_ops is not None and dtype in (torch.bfloat16, torch.float16)
+                       and cpu_ops.decode_attention_avx512_available() else "avx2"),  # type: ignore[attr-defined]
         deterministic=engine_config.deterministic_inference,
         fp32_row_padding=(probe_row_padding(device)
                           if engine_config.deterministic_inference and on_cpu and dtype == torch.float32 else None),

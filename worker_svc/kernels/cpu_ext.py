@@ -1,7 +1,9 @@
 """Build and load this project's AVX2 CPU kernels (``worker_svc/kernels/csrc/*.cpp``) on first use:
 
-- quant_linear_avx2.cpp: int8 / int4 weight-only and int8 dynamic linears (worker_svc/executor/quantize.py);
-- decode_attention_avx2.cpp: one-token attention over the paged KV pool (attention/torch_native.py);
+- quant_linear_avx2.cpp, quant_linear_avx512.cpp: quantized linears (worker_svc/executor/quantize.py);
+- decode_attention_avx2.cpp: one-token attention over the paged KV pool (attention/torch_native.py), AVX-512 path too;
+- rotary_avx2.cpp: rotate-half rotary for q and k (layers/rotary.py);
+- bf16_linear_avx512.cpp, bf16_linear_amx.cpp: bf16 linears on packed weights (kernels/bf16_linear.py);
 - rms_norm_avx2.cpp: RMSNorm and residual-add + RMSNorm for bf16/fp16 (layers/norm.py).
 
 The library is compiled by ``torch.utils.cpp_extension`` into torch's extension cache

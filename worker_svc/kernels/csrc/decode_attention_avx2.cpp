@@ -1,7 +1,8 @@
-// Decode attention over the paged KV pool, one query token per request, for AVX2 + FMA CPUs.
+// Decode attention over the paged KV pool, one query token per request, for AVX2 + FMA CPUs, with an
+// AVX-512 path (below) where the CPU has it and the pool is bf16 / fp16.
 //
 //   decode_attention(q [B, Hq, D], k_pool [S, Hkv, D], v_pool [S, Hkv, Dv], slots [B, L] int64,
-//                    seq_lens [B] int64, scaling) -> [B, Hq, Dv] in q's dtype
+//                    seq_lens [B] int64, scaling, isa = 0) -> [B, Hq, Dv] in q's dtype
 //
 // Request b attends over slots[b, :seq_lens[b]]; query head h reads KV head h / (Hq / Hkv). Scores,
 // softmax and the weighted sum are fp32, as the torch path computes them. The torch path gathers
@@ -17,6 +18,7 @@
 
 #include "common.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -157,8 +159,137 @@ void attend(const q_t* q, const cache_t* k_pool, const cache_t* v_pool, const in
   });
 }
 
+// ---- AVX-512 (bf16 / fp16 pools and queries, head sizes 32, 64, 128) -------------------------------
+// The AVX2 path scores each query head on its own, re-reading and re-widening every key per head. Here
+// the query heads sharing a KV head (up to 16 / (D / 16) of them at once) are held in registers, each
+// key is widened once for all of them (one reduction per key and head instead of a transposing sum), and
+// the value accumulators of all of them stay in registers for the weighted sum. Same fp32 arithmetic,
+// another summation order.
+
+#define LLMSERVE_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
+
+bool cpu_has_avx512() {
+  static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  return has;
+}
+
+LLMSERVE_AVX512 inline __m512 load16(const c10::BFloat16* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+LLMSERVE_AVX512 inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// Rounded as static_cast<c10::BFloat16> / <c10::Half> round (to nearest even; NaN -> 0x7FC0 for bf16).
+LLMSERVE_AVX512 inline void store16(c10::BFloat16* p, __m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(rounded));
+}
+LLMSERVE_AVX512 inline void store16(c10::Half* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+// GC query heads (q, out: GC consecutive heads of D = 16 NV) over one KV head's keys and values.
+template <typename T, int NV, int GC>
+LLMSERVE_AVX512 void attend_heads(const T* q, float scaling, const T* const* keys, const T* const* values, int64_t len,
+                                  float* scores, int64_t L, T* out) {
+  constexpr int64_t D = 16 * NV;
+  __m512 query[GC][NV];
+  const __m512 scale = _mm512_set1_ps(scaling);
+  for (int g = 0; g < GC; ++g)
+    for (int v = 0; v < NV; ++v) query[g][v] = _mm512_mul_ps(load16(q + g * D + 16 * v), scale);
+  for (int64_t t = 0; t < len; ++t) {
+    __m512 key[NV];
+    for (int v = 0; v < NV; ++v) key[v] = load16(keys[t] + 16 * v);
+    for (int g = 0; g < GC; ++g) {
+      __m512 dot = _mm512_mul_ps(query[g][0], key[0]);
+      for (int v = 1; v < NV; ++v) dot = _mm512_fmadd_ps(query[g][v], key[v], dot);
+      scores[g * L + t] = _mm512_reduce_add_ps(dot);
+    }
+  }
+  for (int g = 0; g < GC; ++g) softmax_in_place(scores + g * L, len);
+  __m512 acc[GC][NV];
+  for (int g = 0; g < GC; ++g)
+    for (int v = 0; v < NV; ++v) acc[g][v] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < len; ++t) {
+    __m512 value[NV];
+    for (int v = 0; v < NV; ++v) value[v] = load16(values[t] + 16 * v);
+    for (int g = 0; g < GC; ++g) {
+      const __m512 p = _mm512_set1_ps(scores[g * L + t]);
+      for (int v = 0; v < NV; ++v) acc[g][v] = _mm512_fmadd_ps(p, value[v], acc[g][v]);
+    }
+  }
+  for (int g = 0; g < GC; ++g)
+    for (int v = 0; v < NV; ++v) store16(out + g * D + 16 * v, acc[g][v]);
+}
+
+using HeadsFn = void (*)(const void*, float, const void* const*, const void* const*, int64_t, float*, int64_t, void*);
+
+template <typename T, int NV, int GC>
+void heads_entry(const void* q, float scaling, const void* const* keys, const void* const* values, int64_t len,
+                 float* scores, int64_t L, void* out) {
+  attend_heads<T, NV, GC>(static_cast<const T*>(q), scaling, reinterpret_cast<const T* const*>(keys),
+                          reinterpret_cast<const T* const*>(values), len, scores, L, static_cast<T*>(out));
+}
+
+// Head chunks of up to 16 / NV heads keep query (or accumulator) registers at 16 of the 32 zmm.
+template <typename T, int NV>
+HeadsFn heads_for(int gc) {
+  if constexpr (NV == 2) {
+    switch (gc) {
+      case 1: return &heads_entry<T, 2, 1>; case 2: return &heads_entry<T, 2, 2>; case 3: return &heads_entry<T, 2, 3>;
+      case 4: return &heads_entry<T, 2, 4>; case 5: return &heads_entry<T, 2, 5>; case 6: return &heads_entry<T, 2, 6>;
+      case 7: return &heads_entry<T, 2, 7>; default: return &heads_entry<T, 2, 8>;
+    }
+  } else if constexpr (NV == 4) {
+    switch (gc) {
+      case 1: return &heads_entry<T, 4, 1>; case 2: return &heads_entry<T, 4, 2>; case 3: return &heads_entry<T, 4, 3>;
+      default: return &heads_entry<T, 4, 4>;
+    }
+  } else {
+    return gc == 1 ? &heads_entry<T, 8, 1> : &heads_entry<T, 8, 2>;
+  }
+}
+
+template <typename T>
+HeadsFn heads_fn(int64_t D, int gc) {
+  return D == 32 ? heads_for<T, 2>(gc) : D == 64 ? heads_for<T, 4>(gc) : heads_for<T, 8>(gc);
+}
+
+bool avx512_fits(const at::Tensor& q, const at::Tensor& k_pool, int64_t D, int64_t Dv) {
+  return cpu_has_avx512() && (D == 32 || D == 64 || D == 128) && Dv == D && q.scalar_type() == k_pool.scalar_type() &&
+         (q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf);
+}
+
+template <typename T>
+void attend_avx512(const T* q, const T* k_pool, const T* v_pool, const int64_t* slots, const int64_t* seq_lens, T* out,
+                   int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t L, float scaling) {
+  const int64_t groups = Hq / Hkv, chunk = std::min<int64_t>(groups, 16 / (D / 16));
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(chunk * L);
+    std::vector<const void*> keys(L), values(L);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / Hkv, kv_head = task % Hkv, len = seq_lens[b];
+      for (int64_t t = 0; t < len; ++t) {
+        keys[t] = k_pool + (slots[b * L + t] * Hkv + kv_head) * D;
+        values[t] = v_pool + (slots[b * L + t] * Hkv + kv_head) * D;
+      }
+      for (int64_t g0 = 0; g0 < groups; g0 += chunk) {
+        const int gc = static_cast<int>(std::min<int64_t>(chunk, groups - g0));
+        const int64_t head = b * Hq + kv_head * groups + g0;
+        heads_fn<T>(D, gc)(q + head * D, scaling, keys.data(), values.data(), len, scores.data(), L, out + head * D);
+      }
+    }
+  });
+}
+
+// isa: 0 = AVX-512 where it fits (CPU, dtypes, head size), else AVX2; 1 = AVX2; 2 = AVX-512 (or an error).
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
-                            const at::Tensor& slots, const at::Tensor& seq_lens, double scaling) {
+                            const at::Tensor& slots, const at::Tensor& seq_lens, double scaling, int64_t isa) {
   TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 3 && v_pool.dim() == 3, "decode_attention: q, k_pool, v_pool must be 3-D");
   TORCH_CHECK(q.is_contiguous() && k_pool.is_contiguous() && v_pool.is_contiguous() && slots.is_contiguous() &&
                   seq_lens.is_contiguous(), "decode_attention: tensors must be contiguous");
@@ -172,7 +303,22 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b)
     TORCH_CHECK(lens[b] > 0 && lens[b] <= L, "decode_attention: seq_lens[", b, "] = ", lens[b], " outside 1..", L);
+  TORCH_CHECK(isa >= 0 && isa <= 2, "decode_attention: isa must be 0 (auto), 1 (avx2) or 2 (avx512)");
   auto out = at::empty({B, Hq, Dv}, q.options());
+  const bool avx512 = isa != 1 && avx512_fits(q, k_pool, D, Dv);
+  TORCH_CHECK(isa != 2 || avx512, "decode_attention: the AVX-512 path needs AVX-512 F/BW/VL/DQ, bfloat16 or float16 "
+              "q and pools alike, and head sizes 32, 64 or 128 for K and V alike");
+  if (avx512) {
+    if (q.scalar_type() == at::kBFloat16)
+      attend_avx512<c10::BFloat16>(q.data_ptr<c10::BFloat16>(), k_pool.data_ptr<c10::BFloat16>(),
+                                   v_pool.data_ptr<c10::BFloat16>(), slots.data_ptr<int64_t>(), lens,
+                                   out.data_ptr<c10::BFloat16>(), B, Hq, Hkv, D, L, static_cast<float>(scaling));
+    else
+      attend_avx512<c10::Half>(q.data_ptr<c10::Half>(), k_pool.data_ptr<c10::Half>(), v_pool.data_ptr<c10::Half>(),
+                               slots.data_ptr<int64_t>(), lens, out.data_ptr<c10::Half>(), B, Hq, Hkv, D, L,
+                               static_cast<float>(scaling));
+    return out;
+  }
   llmserve::dispatch_float(k_pool.scalar_type(), "decode_attention", [&](auto cache_zero) {
     using cache_t = decltype(cache_zero);
     llmserve::dispatch_float(q.scalar_type(), "decode_attention", [&](auto q_zero) {
@@ -185,10 +331,14 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const
   return out;
 }
 
+bool decode_attention_avx512_available() { return cpu_has_avx512(); }
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(llmserve_cpu, m) {
-  m.def("decode_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor slots, Tensor seq_lens, float scaling) -> Tensor");
+  m.def("decode_attention_avx512_available() -> bool", &decode_attention_avx512_available);
+  m.def("decode_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor slots, Tensor seq_lens, float scaling, "
+        "int isa=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(llmserve_cpu, CPU, m) { m.impl("decode_attention", &decode_attention); }
