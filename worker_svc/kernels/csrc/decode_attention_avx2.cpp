@@ -193,6 +193,14 @@ LLMSERVE_AVX512 inline void store16(c10::Half* p, __m512 v) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 
+constexpr int64_t kPrefetchRows = 8;
+
+template <typename T>
+inline void prefetch_row(const T* row, int64_t D) {
+  for (int64_t byte = 0; byte < D * static_cast<int64_t>(sizeof(T)); byte += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(row) + byte, _MM_HINT_T0);
+}
+
 // GC query heads (q, out: GC consecutive heads of D = 16 NV) over one KV head's keys and values.
 template <typename T, int NV, int GC>
 LLMSERVE_AVX512 void attend_heads(const T* q, float scaling, const T* const* keys, const T* const* values, int64_t len,
@@ -203,6 +211,9 @@ LLMSERVE_AVX512 void attend_heads(const T* q, float scaling, const T* const* key
   for (int g = 0; g < GC; ++g)
     for (int v = 0; v < NV; ++v) query[g][v] = _mm512_mul_ps(load16(q + g * D + 16 * v), scale);
   for (int64_t t = 0; t < len; ++t) {
+    // The rows of a request are scattered over the pool (one per slot, Hkv heads apart): ask for a later
+    // row's lines ahead, as the hardware prefetcher does not follow the slot list.
+    if (t + kPrefetchRows < len) prefetch_row(keys[t + kPrefetchRows], D);
     __m512 key[NV];
     for (int v = 0; v < NV; ++v) key[v] = load16(keys[t] + 16 * v);
     for (int g = 0; g < GC; ++g) {
@@ -216,6 +227,7 @@ LLMSERVE_AVX512 void attend_heads(const T* q, float scaling, const T* const* key
   for (int g = 0; g < GC; ++g)
     for (int v = 0; v < NV; ++v) acc[g][v] = _mm512_setzero_ps();
   for (int64_t t = 0; t < len; ++t) {
+    if (t + kPrefetchRows < len) prefetch_row(values[t + kPrefetchRows], D);
     __m512 value[NV];
     for (int v = 0; v < NV; ++v) value[v] = load16(values[t] + 16 * v);
     for (int g = 0; g < GC; ++g) {
