@@ -19,8 +19,10 @@
 //          bits 4t..4t+3 -- one sequential stream per output group. fp32 path: nibble t of every word
 //          indexes a 16-entry table of (q - 8) (a shift and a VPERMPS), FMA with broadcast x[8b + t].
 //          bf16 path: a word-wise shift puts nibbles t and 4 + t at the bottom of the two halves of each
-//          word, VPERMW looks up (q - 8) as bf16 (exact), one VDPBF16PS takes (x[8b + t], x[8b + 4 + t]).
-//          Per quantization group: total += s * (x . (q - 8)) + z * sum(x over the group).
+//          word, one VPTERNLOGD makes them the bf16 numbers 128 + q (bits 0x4300 | q, exact), one
+//          VDPBF16PS takes (x[8b + t], x[8b + 4 + t]). Per quantization group:
+//          total += s * (x . (q + 128)) + (z - 136 s) * sum(x over the group).
+//          AMX B tiles: VPERMW looks up (q - 8) as bf16 (exact), once per tile for every row block.
 //          AMX path (from kI4AmxMinRows bf16 rows, quantization groups of whole 32-input tiles, on CPUs
 //          with AMX-BF16): those same words are AMX's B rows as they are (16 outputs x the input pair
 //          (8b + t, 8b + 4 + t)), so per pair of output groups they are written once into B tiles for the
@@ -303,11 +305,15 @@ struct Int4Args {
   }
 };
 
+// offset: what acc's weights carry beyond q - 8 (the bf16 path's weights are 128 + q, so 136), folded into
+// the zero term: total += s * acc + (z - offset * s) * sum(x).
 template <int MR, int NV>
-LLMSERVE_AVX512 inline void i4_fold(const Int4Args& a, int64_t q, __m512 (&total)[MR][NV], __m512 (&acc)[MR][NV]) {
+LLMSERVE_AVX512 inline void i4_fold(const Int4Args& a, int64_t q, __m512 (&total)[MR][NV], __m512 (&acc)[MR][NV],
+                                    float offset = 0.f) {
   for (int v = 0; v < NV; ++v) {
     const uint8_t* sz = a.record(v, q);
-    const __m512 s = load16(sz, a.sz_kind), z = load16(sz + kOut * a.sz_bytes, a.sz_kind);
+    const __m512 s = load16(sz, a.sz_kind);
+    const __m512 z = _mm512_fnmadd_ps(_mm512_set1_ps(offset), s, load16(sz + kOut * a.sz_bytes, a.sz_kind));
     for (int m = 0; m < MR; ++m) fold_group(total[m][v], acc[m][v], s, z, a.xsum[m * a.ldxs + q]);
   }
 }
@@ -352,7 +358,9 @@ LLMSERVE_AVX512 void i4_tile_f32(const float* x, int64_t ldx, Int4Args a, OutVie
 template <int MR, int NV>
 LLMSERVE_AVX512_BF16 void i4_tile_bf16(const uint32_t* x, int64_t ldx, Int4Args a, OutView o, int64_t row,
                                        int64_t n0, int64_t valid) {
-  const __m512i table = _mm512_load_si512(kI4Bf16Table);
+  // bf16 bits 0x4300 | q are 128 + q (exact): one VPTERNLOGD makes a weight pair from a shifted word,
+  // where a VPERMW lookup of q - 8 costs two uops on Intel cores. The fold takes the 136 back out.
+  const __m512i nibble = _mm512_set1_epi32(0x000F000F), exponent = _mm512_set1_epi32(0x43004300);
   __m512 total[MR][NV], acc[MR][NV];
   for (int m = 0; m < MR; ++m)
     for (int v = 0; v < NV; ++v) total[m][v] = acc[m][v] = _mm512_setzero_ps();
@@ -365,14 +373,15 @@ LLMSERVE_AVX512_BF16 void i4_tile_bf16(const uint32_t* x, int64_t ldx, Int4Args 
         __m512i words = _mm512_loadu_si512(wp);
 #pragma GCC unroll 4
         for (int t = 0; t < 4; ++t) {
-          const __m512i wv = _mm512_permutexvar_epi16(words, table);  // (q[8b + t] - 8, q[8b + 4 + t] - 8)
+          // (128 + q[8b + t], 128 + q[8b + 4 + t]): (words & nibble) | exponent
+          const __m512i wv = _mm512_ternarylogic_epi32(words, nibble, exponent, 0xEA);
           for (int m = 0; m < MR; ++m)
             acc[m][v] = dot_bf16(acc[m][v], wv, _mm512_set1_epi32(static_cast<int>(x[m * ldx + b * 4 + t])));
           words = _mm512_srli_epi16(words, 4);
         }
       }
     }
-    i4_fold<MR, NV>(a, q, total, acc);
+    i4_fold<MR, NV>(a, q, total, acc, 136.f);
   }
   i4_store<MR, NV>(total, o, row, n0, valid);
 }
