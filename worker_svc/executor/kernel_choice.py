@@ -80,7 +80,7 @@ class KernelPlan:
         if self.quant_kernel is not None:
             plan["quant_kernel"] = self.quant_kernel
             if self.quant_kernel == "avx512" and self.amx:
-                plan["int4_amx_min_rows"] = str(self.quant_ops.int4_amx_min_rows())  # type: ignore[attr-defined]
+                plan["int4_amx_min_rows"] = str(self.quant_ops.int4_amx_min_rows())  # type: ignore[union-attr]
         if self.deterministic:
             plan["deterministic"] = "fp32 linears row_stable" if self.fp32_row_padding else "on"
         return plan
