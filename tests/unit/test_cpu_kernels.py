@@ -95,27 +95,6 @@ def _avx512_bf16_ops():
     return ops
 
 
-@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 64, 130])
-@pytest.mark.parametrize("shape", [(96, 1000), (2, 1), (576, 960), (64, 17)])
-@pytest.mark.parametrize("bias", [False, True])
-def test_packed_bf16_matches_fp32_reference(rows, shape, bias):
-    """Every tile shape (1-6 rows x 1-4 groups of 16 outputs), ragged output groups, K = 2."""
-    from worker_svc.kernels.bf16_linear import PackedBf16Linear
-
-    ops = _avx512_bf16_ops()
-    in_features, out_features = shape
-    gen = torch.Generator().manual_seed(rows * 7 + in_features)
-    weight = (torch.randn(out_features, in_features, generator=gen) * 0.05).to(torch.bfloat16)
-    b = torch.randn(out_features, generator=gen).to(torch.bfloat16) if bias else None
-    x = torch.randn(rows, in_features, generator=gen).to(torch.bfloat16)
-    kernel = PackedBf16Linear(weight, ops)
-    out = kernel(x, weight, b)
-    ref = F.linear(x.float(), weight.float(), None if b is None else b.float())
-    assert out.dtype == torch.bfloat16 and out.shape == (rows, out_features)
-    # fp32 sums, one rounding to bf16: within half a bf16 ulp of the result, plus the fp32 sum's error.
-    assert torch.allclose(out.float(), ref, rtol=2**-8, atol=1e-4), (out.float() - ref).abs().max()
-
-
 def _amx_bf16_ops():
     ops = _avx512_bf16_ops()
     if not ops.bf16_linear_amx_available():
@@ -123,23 +102,28 @@ def _amx_bf16_ops():
     return ops
 
 
-@pytest.mark.parametrize("rows", [1, 2, 15, 16, 17, 32, 33, 130])
-@pytest.mark.parametrize("shape", [(32, 1), (64, 17), (576, 960), (1536, 33)])
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 15, 16, 17, 32, 33, 64, 130])
+@pytest.mark.parametrize("shape", [(96, 1000), (2, 1), (576, 960), (64, 17), (32, 1), (1536, 33)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_amx_bf16_matches_fp32_reference(rows, shape, bias):
-    """Every tile step (1-2 row blocks x 1-2 output groups), ragged row blocks and output groups, K = 32."""
+@pytest.mark.parametrize("kernel_isa", ["avx512_bf16", "amx_bf16"])
+def test_packed_bf16_matches_fp32_reference(rows, shape, bias, kernel_isa):
+    """VDPBF16PS: every tile shape (1-6 rows x 1-4 groups of 16 outputs), ragged output groups, K = 2.
+    AMX (every row count on tiles where in_features is whole 32-input tiles): every tile step (1-2 row blocks
+    x 1-2 output groups), ragged row blocks, and each row computed on its own."""
     from worker_svc.kernels.bf16_linear import PackedBf16Linear
 
-    ops = _amx_bf16_ops()
+    amx = kernel_isa == "amx_bf16"
+    ops = _amx_bf16_ops() if amx else _avx512_bf16_ops()
     in_features, out_features = shape
     gen = torch.Generator().manual_seed(rows * 7 + in_features)
     weight = (torch.randn(out_features, in_features, generator=gen) * 0.05).to(torch.bfloat16)
     b = torch.randn(out_features, generator=gen).to(torch.bfloat16) if bias else None
     x = torch.randn(rows, in_features, generator=gen).to(torch.bfloat16)
-    kernel = PackedBf16Linear(weight, ops, amx_min_rows=1)
+    kernel = PackedBf16Linear(weight, ops, amx_min_rows=1 if amx else None)
     out = kernel(x, weight, b)
     ref = F.linear(x.float(), weight.float(), None if b is None else b.float())
     assert out.dtype == torch.bfloat16 and out.shape == (rows, out_features)
+    # fp32 sums, one rounding to bf16: within half a bf16 ulp of the result, plus the fp32 sum's error.
     assert torch.allclose(out.float(), ref, rtol=2**-8, atol=1e-4), (out.float() - ref).abs().max()
     # Each row on its own: the same row alone and inside any batch gives the same bits.
     assert torch.equal(kernel(x[-1:], weight, b), out[-1:])

@@ -19,6 +19,7 @@
 #include <torch/library.h>
 
 #include "amx.h"
+#include "packed_bf16.h"
 
 #include <cstdint>
 #include <cstring>
@@ -105,40 +106,20 @@ LLMSERVE_AMX void run_groups(int64_t begin, int64_t end, const uint16_t* xp, int
 at::Tensor bf16_linear_packed_amx(const at::Tensor& x, const at::Tensor& packed, int64_t n,
                                   const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(cpu_has_amx_bf16(), "bf16_linear_packed_amx: this CPU (or the OS) does not grant AMX-BF16");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16,
-              "bf16_linear_packed_amx: bfloat16");
-  const int64_t k = x.size(-1);
-  TORCH_CHECK(k % kTileK == 0, "bf16_linear_packed_amx: in_features must be a multiple of 32");
-  const int64_t groups = packed.size(0), pairs = packed.size(1);
-  TORCH_CHECK(pairs * 2 == k && groups * kGroup >= n && packed.size(2) == 2 * kGroup,
-              "bf16_linear_packed_amx: weight shape");
-  at::Tensor x2 = x.reshape({-1, k}).contiguous();
-  const int64_t rows = x2.size(0);
-  const int64_t padded_rows = (rows + kTileRows - 1) / kTileRows * kTileRows;
-  if (padded_rows != rows) {  // whole 16-row A tiles; the padding rows' outputs are never stored
-    at::Tensor padded = at::zeros({padded_rows, k}, x2.options());
-    padded.narrow(0, 0, rows).copy_(x2);
-    x2 = padded;
-  }
-  at::Tensor bias32;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == n, "bf16_linear_packed_amx: bias shape");
-    bias32 = at::zeros({groups * kGroup}, x.options().dtype(at::kFloat));
-    bias32.narrow(0, 0, n).copy_(*bias);
-  }
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = n;
-  at::Tensor y = at::empty({rows, n}, x.options());
-  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x2.data_ptr());
+  TORCH_CHECK(x.size(-1) % kTileK == 0, "bf16_linear_packed_amx: in_features must be a multiple of 32");
+  // Rows padded to whole 16-row A tiles.
+  const llmserve::PackedBf16Call c =
+      llmserve::begin_packed_bf16_call(x, packed, n, bias, "bf16_linear_packed_amx", kTileRows);
+  const int64_t rows = c.rows, k = c.k, pairs = c.pairs, used_groups = c.used_groups;
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(c.x.data_ptr());
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
-  uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
-  const float* bp = bias32.defined() ? bias32.data_ptr<float>() : nullptr;
-  const int64_t used_groups = (n + kGroup - 1) / kGroup;
+  uint16_t* yp = reinterpret_cast<uint16_t*>(c.y.data_ptr());
+  const float* bp = c.bias32.defined() ? c.bias32.data_ptr<float>() : nullptr;
   const int64_t group_stride = pairs * 2 * kGroup;  // elements
   at::parallel_for(0, used_groups, 1, [&](int64_t begin, int64_t end) {
     run_groups(begin, end, xp, rows, k, wp, group_stride, bp, yp, n);
   });
-  return y.view(shape);
+  return c.y.view(c.shape);
 }
 
 bool bf16_linear_amx_available() { return cpu_has_amx_bf16(); }

@@ -19,6 +19,8 @@
 
 #include <immintrin.h>
 
+#include "packed_bf16.h"
+
 #include <cstdint>
 #include <cstring>
 
@@ -108,28 +110,12 @@ TileFn pick(int mr, int nv) {
 // x [..., K] bf16, packed from bf16_pack_weight of an [N, K] weight, bias [N] fp32 or empty -> [..., N] bf16.
 at::Tensor bf16_linear_packed(const at::Tensor& x, const at::Tensor& packed, int64_t n, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(cpu_has_avx512_bf16(), "bf16_linear_packed: this CPU lacks AVX512-BF16");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16, "bf16_linear_packed: bfloat16");
-  const int64_t k = x.size(-1);
-  TORCH_CHECK(k % 2 == 0, "bf16_linear_packed: in_features must be even");
-  const int64_t groups = packed.size(0), pairs = packed.size(1);
-  TORCH_CHECK(pairs * 2 == k && groups * kGroup >= n && packed.size(2) == 2 * kGroup, "bf16_linear_packed: weight shape");
-  const at::Tensor x2 = x.reshape({-1, k}).contiguous();
-  const int64_t rows = x2.size(0);
-  at::Tensor bias32;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == n, "bf16_linear_packed: bias shape");
-    // Padded to whole groups so the last group's masked load never needs a bound of its own.
-    bias32 = at::zeros({groups * kGroup}, x.options().dtype(at::kFloat));
-    bias32.narrow(0, 0, n).copy_(*bias);
-  }
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = n;
-  at::Tensor y = at::empty({rows, n}, x.options());
-  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x2.data_ptr());
+  const llmserve::PackedBf16Call c = llmserve::begin_packed_bf16_call(x, packed, n, bias, "bf16_linear_packed");
+  const int64_t rows = c.rows, k = c.k, pairs = c.pairs, used_groups = c.used_groups;
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(c.x.data_ptr());
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
-  uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
-  const float* bp = bias32.defined() ? bias32.data_ptr<float>() : nullptr;
-  const int64_t used_groups = (n + kGroup - 1) / kGroup;
+  uint16_t* yp = reinterpret_cast<uint16_t*>(c.y.data_ptr());
+  const float* bp = c.bias32.defined() ? c.bias32.data_ptr<float>() : nullptr;
   // Threads take runs of output groups; a run is cut into tiles of up to 4 groups.
   at::parallel_for(0, used_groups, 1, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; g += kMaxGroups) {
@@ -142,7 +128,7 @@ at::Tensor bf16_linear_packed(const at::Tensor& x, const at::Tensor& packed, int
       }
     }
   });
-  return y.view(shape);
+  return c.y.view(c.shape);
 }
 
 bool bf16_linear_available() { return cpu_has_avx512_bf16(); }
