@@ -127,7 +127,7 @@ def test_auto_quant_kernel_follows_the_cpu():
             plan = _plan(quant=quant)
             assert plan.quant_kernel == "avx512" and plan.quant_ops is cpu_ext.load()
             assert plan.describe()["quant_kernel"] == "avx512"
-            assert (plan.describe().get("int4_amx_min_rows") == "2") == _has_amx_bf16()
+            assert (plan.describe().get("amx_min_rows") == "int4wo 2, int8wo 8") == _has_amx_bf16()
             assert _plan(quant=quant, cpu_quant_kernel="avx512").quant_kernel == "avx512"
         # no AVX-512 int8dq kernel: aten's, vectorized on these CPUs, under auto and avx512 alike
         assert _plan(quant=int8dq).quant_kernel == "aten" and _plan(quant=int8dq).quant_ops is None

@@ -42,7 +42,7 @@ PATHS = [
     pytest.param(torch.bfloat16, BF16_PATH, marks=needs_bf16),
     (torch.bfloat16, AUTO),
 ]
-INT4_PATHS = [*PATHS, pytest.param(torch.bfloat16, AMX_PATH, marks=needs_amx)]
+AMX_PATHS = [*PATHS, pytest.param(torch.bfloat16, AMX_PATH, marks=needs_amx)]
 
 
 def _data(rows: int, out_features: int, in_features: int, dtype: torch.dtype, seed: int = 0):
@@ -76,9 +76,12 @@ def _int4(kernel: Int4WeightOnlyKernel, x: torch.Tensor, mode: int) -> torch.Ten
     )
 
 
-@pytest.mark.parametrize("dtype,mode", PATHS)
-@pytest.mark.parametrize("shape", [(37, 70), (64, 1024), (130, 96), (16, 33)])
+@pytest.mark.parametrize("dtype,mode", AMX_PATHS)
+@pytest.mark.parametrize("shape", [(37, 70), (64, 1024), (130, 96), (16, 33), (200, 64)])
 def test_int8_weight_only_matches_fp32(shape, dtype, mode):
+    """The AMX path only where the inputs are whole 32-input tiles (1024, 96, 64)."""
+    if mode == AMX_PATH and shape[1] % 32:
+        pytest.skip("the AMX path needs whole 32-input tiles: refused (test_amx_paths_refuse_partial_tiles)")
     weight, x = _data(max(ROWS), *shape, dtype)
     kernel = Int8WeightOnlyKernel(weight, dtype, ops=OPS, isa="avx512")
     w = kernel.dequantized()
@@ -87,7 +90,7 @@ def test_int8_weight_only_matches_fp32(shape, dtype, mode):
         assert _int8(kernel, x[:rows], mode).dtype == dtype
 
 
-@pytest.mark.parametrize("dtype,mode", INT4_PATHS)
+@pytest.mark.parametrize("dtype,mode", AMX_PATHS)
 @pytest.mark.parametrize(
     "shape,group", [((37, 64), 32), ((33, 96), 32), ((130, 256), 64), ((64, 1024), 128), ((16, 512), 256)]
 )
@@ -122,10 +125,34 @@ def test_int4_amx_path_every_tile_step_with_bias_and_leading_dims(rows, out_feat
 
 
 @needs_amx
+def test_amx_paths_refuse_partial_tiles():
+    weight, x = _data(4, 32, 70, torch.bfloat16)
+    int8 = Int8WeightOnlyKernel(weight, torch.bfloat16, ops=OPS, isa="avx512")
+    with pytest.raises(RuntimeError, match="whole tiles of 32"):
+        OPS.int8_weight_linear_avx512(x, int8.packed, int8.kernel_scale, 32, None, AMX_PATH)
+    _assert_close(int8(x, weight), x.float() @ int8.dequantized().t(), "70 inputs under auto: not AMX")
+
+
+@needs_amx
+@pytest.mark.parametrize("rows", [2, 8, 16, 17, 32, 33, 100])
+def test_int8_amx_path_with_bias_matches_and_is_what_auto_picks(rows):
+    """Up to 32 rows the B tiles stream (widened per input tile), from 33 a panel serves every row block."""
+    weight, x = _data(rows, 72, 128, torch.bfloat16, seed=rows)
+    bias = torch.randn(72).to(torch.bfloat16)
+    int8 = Int8WeightOnlyKernel(weight, torch.bfloat16, ops=OPS, isa="avx512")
+    out = OPS.int8_weight_linear_avx512(x, int8.packed, int8.kernel_scale, 72, bias, AMX_PATH)
+    _assert_close(out, x.float() @ int8.dequantized().t() + bias.float(), f"rows={rows}")
+    if rows >= 8:  # what the model calls picks AMX from 8 rows
+        assert torch.equal(int8(x, weight, bias), out)
+    assert torch.equal(OPS.int8_weight_linear_avx512(x[-1:].repeat(2, 1), int8.packed, int8.kernel_scale, 72, bias,
+                                                     AMX_PATH)[:1], out[-1:])
+
+
+@needs_amx
 def test_int4_amx_path_refuses_groups_that_are_not_whole_tiles():
     weight, x = _data(4, 32, 64, torch.bfloat16)
     kernel = Int4WeightOnlyKernel(weight, torch.bfloat16, 16, ops=OPS, isa="avx512")
-    with pytest.raises(RuntimeError, match="multiple of 32"):
+    with pytest.raises(RuntimeError, match="groups of a multiple of 32"):
         OPS.int4_weight_linear_avx512(x, kernel.packed, 32, 16, torch.bfloat16, None, AMX_PATH)
     _assert_close(kernel(x, weight), x.float() @ kernel.dequantized().t(), "group 16 under auto: the bf16 path")
 
@@ -141,7 +168,8 @@ def test_int4_scales_in_another_dtype_than_the_activations(scale_dtype):
 @needs_bf16
 def test_auto_mode_takes_the_documented_path():
     """mode 0 with bf16 activations: int8 takes the fp32 path up to four rows and the bf16 panel from five
-    on, int4 the bf16 path at every row count (its AMX path from two rows where the CPU has AMX, which treats
+    on (on AMX CPUs: fp32 below eight rows, AMX from eight), int4 the bf16 path at every row count (its AMX
+    path from two rows where the CPU has AMX, which treats
     denormal inputs as zero too). Told apart by denormal activations, which VDPBF16PS treats
     as zero and the fp32 FMAs do not (they alternate in sign, so int4's per-group sums of x are zero and
     only x . q carries them)."""
@@ -154,9 +182,10 @@ def test_auto_mode_takes_the_documented_path():
     int4 = Int4WeightOnlyKernel(weight, torch.bfloat16, 32, ops=OPS, isa="avx512")
     for kernel, run in ((int8, _int8), (int4, _int4)):
         assert (run(kernel, x, FP32_PATH) != 0).all() and (run(kernel, x, BF16_PATH) == 0).all()
-    for rows in (1, 4):
+    # AMX CPUs: int8 fp32 path below 8 rows, AMX from 8 (no panel path); others: the panel from 5.
+    for rows in (1, 4, 5, 7) if AMX else (1, 4):
         assert (_int8(int8, x[:rows], AUTO) != 0).all()  # fp32 path
-    for rows in (5, 16):
+    for rows in (8, 16) if AMX else (5, 16):
         assert (_int8(int8, x[:rows], AUTO) == 0).all()
     for rows in (1, 3, 16):
         assert (_int4(int4, x[:rows], AUTO) == 0).all()
@@ -245,7 +274,7 @@ def test_bad_inputs_raise_naming_the_problem():
     with pytest.raises(RuntimeError, match="scale must be"):
         OPS.int8_weight_linear_avx512(x, int8.packed, int8.kernel_scale[:16], 32)
     with pytest.raises(RuntimeError, match="mode"):
-        OPS.int8_weight_linear_avx512(x, int8.packed, int8.kernel_scale, 32, None, 3)
+        OPS.int8_weight_linear_avx512(x, int8.packed, int8.kernel_scale, 32, None, 4)
     int4 = Int4WeightOnlyKernel(weight, torch.float32, 32, ops=OPS, isa="avx512")
     with pytest.raises(RuntimeError, match="bias must be"):
         OPS.int8_weight_linear_avx512(x, int8.packed, int8.kernel_scale, 32, torch.zeros(31))

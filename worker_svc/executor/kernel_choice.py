@@ -7,6 +7,7 @@ Chosen once, before any weight is read, from the EngineConfig, the model kind an
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import structlog
 import torch
@@ -51,8 +52,8 @@ class KernelPlan:
     # fp32 linear's input to (None where every count already rounds alike, or not deterministic).
     deterministic: bool = False
     fp32_row_padding: tuple[int, ...] | None = None
-    # The CPU grants AMX-BF16 to this project's kernels: int4 weight-only linears (quant_kernel "avx512") run
-    # on AMX tiles from a few bf16 rows (describe() says how many); bf16 linears do under bf16_linear "amx_bf16".
+    # The CPU grants AMX-BF16 to this project's kernels: int4 / int8 weight-only linears (quant_kernel "avx512")
+    # run on AMX tiles from a few bf16 rows (describe() says how many); bf16 linears do under "amx_bf16".
     amx: bool = False
 
     # Inside the C++ decode attention ("avx2", the backend's name for it): "avx512" where the CPU has AVX-512
@@ -80,7 +81,8 @@ class KernelPlan:
         if self.quant_kernel is not None:
             plan["quant_kernel"] = self.quant_kernel
             if self.quant_kernel == "avx512" and self.amx:
-                plan["int4_amx_min_rows"] = str(self.quant_ops.int4_amx_min_rows())  # type: ignore[union-attr]
+                ops: Any = self.quant_ops
+                plan["amx_min_rows"] = f"int4wo {ops.int4_amx_min_rows()}, int8wo {ops.int8_amx_min_rows()}"
         if self.deterministic:
             plan["deterministic"] = "fp32 linears row_stable" if self.fp32_row_padding else "on"
         return plan

@@ -45,6 +45,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 namespace {
@@ -406,11 +407,11 @@ LLMSERVE_AMX void i4_amx_b_tiles(const Int4Args& a, int v, int64_t q, uint16_t* 
   }
 }
 
-// c[i * 2 + j] = x rows [16 i, 16 i + 16) . (q - 8) of output group j over `tiles` input tiles.
-// x: pair words at the group's first input (row stride ldx words); b: output group 0's B rows, group 1's
-// b_stride elements on.
+// c[i * 2 + j] = x rows [16 i, 16 i + 16) . the B rows of output group j, over `tiles` input tiles (int4:
+// q - 8; int8: the widened panel). x: bf16 pair words at the first input (row stride ldx words); b: output
+// group 0's B rows, group 1's b_stride elements on.
 template <int MB, int NB>
-LLMSERVE_AMX void i4_amx_dot(const uint32_t* x, int64_t ldx, const uint16_t* b, int64_t b_stride, int64_t tiles,
+LLMSERVE_AMX void amx_dot(const uint32_t* x, int64_t ldx, const uint16_t* b, int64_t b_stride, int64_t tiles,
                              float* c) {
   _tile_zero(0);
   if constexpr (NB == 2) _tile_zero(1);
@@ -433,11 +434,11 @@ LLMSERVE_AMX void i4_amx_dot(const uint32_t* x, int64_t ldx, const uint16_t* b, 
   if constexpr (MB == 2 && NB == 2) _tile_stored(3, c + 3 * kTileFloats, 64);
 }
 
-using I4AmxDot = void (*)(const uint32_t*, int64_t, const uint16_t*, int64_t, int64_t, float*);
+using AmxDot = void (*)(const uint32_t*, int64_t, const uint16_t*, int64_t, int64_t, float*);
 
-I4AmxDot i4_amx_pick(int mb, int nb) {
-  if (mb == 2) return nb == 2 ? &i4_amx_dot<2, 2> : &i4_amx_dot<2, 1>;
-  return nb == 2 ? &i4_amx_dot<1, 2> : &i4_amx_dot<1, 1>;
+AmxDot amx_pick(int mb, int nb) {
+  if (mb == 2) return nb == 2 ? &amx_dot<2, 2> : &amx_dot<2, 1>;
+  return nb == 2 ? &amx_dot<1, 2> : &amx_dot<1, 1>;
 }
 
 // One thread's output groups [begin, end), two at a time, for every row: per quantization group, its B
@@ -465,7 +466,7 @@ LLMSERVE_AMX void i4_amx_groups(int64_t begin, int64_t end, const Int4Args& args
       }
       for (int64_t r = 0; r < M; r += 2 * llmserve::kAmxTileRows) {
         const int mb = M - r > llmserve::kAmxTileRows ? 2 : 1;
-        i4_amx_pick(mb, nb)(x + r * ldx + q * words_per_group, ldx, b_rows, b_stride, tiles, c);
+        amx_pick(mb, nb)(x + r * ldx + q * words_per_group, ldx, b_rows, b_stride, tiles, c);
         for (int i = 0; i < mb; ++i)
           for (int64_t m = 0; m < llmserve::kAmxTileRows; ++m) {
             const int64_t row = r + i * llmserve::kAmxTileRows + m;
@@ -484,6 +485,103 @@ LLMSERVE_AMX void i4_amx_groups(int64_t begin, int64_t end, const Int4Args& args
         const int64_t col = (g + j) * kOut;
         if (col < n) store_out(o, row, col, _mm512_loadu_ps(total + row * 2 * kOut + j * kOut), mask_for(n - col));
       }
+  }
+  _tile_release();
+}
+
+// int8 on AMX. The int8 pair layout widens to AMX's B rows as they are (i8_build_panel's layout).
+
+// B rows of one output group's int8 weights for input pairs [p0, p0 + 16), widened to bf16 (exact).
+LLMSERVE_AMX void i8_b_tile(const int8_t* w, int64_t p0, uint16_t* rows) {
+  for (int64_t p = 0; p < 16; ++p) {
+    const int8_t* wp = w + (p0 + p) * kI8PairBytes;
+    const __m512bh b = _mm512_cvtne2ps_pbh(widen16_i8(wp + kOut), widen16_i8(wp));
+    _mm512_store_si512(rows + p * kPanelRowElems, reinterpret_cast<const __m512i&>(b));
+  }
+}
+
+// Up to 32 rows: the B tiles are widened into L1 one input tile at a time, the accumulators stay in tiles
+// over the whole K. c as amx_dot's.
+template <int MB, int NB>
+LLMSERVE_AMX void i8_amx_dot_streamed(const uint32_t* x, int64_t ldx, const int8_t* w, int64_t gstride,
+                                      int64_t tiles, uint16_t* b, float* c) {
+  _tile_zero(0);
+  if constexpr (NB == 2) _tile_zero(1);
+  if constexpr (MB == 2) _tile_zero(2);
+  if constexpr (MB == 2 && NB == 2) _tile_zero(3);
+  constexpr int64_t kWordsPerTile = llmserve::kAmxTileK / 2, kTileElems = 16 * kPanelRowElems;
+  for (int64_t kt = 0; kt < tiles; ++kt) {
+    prefetch_ahead(w + kt * 16 * kI8PairBytes);
+    i8_b_tile(w, kt * 16, b);
+    if constexpr (NB == 2) {
+      prefetch_ahead(w + gstride + kt * 16 * kI8PairBytes);
+      i8_b_tile(w + gstride, kt * 16, b + kTileElems);
+    }
+    _tile_loadd(4, x + kt * kWordsPerTile, ldx * 4);
+    if constexpr (MB == 2) _tile_loadd(5, x + llmserve::kAmxTileRows * ldx + kt * kWordsPerTile, ldx * 4);
+    _tile_loadd(6, b, 64);
+    if constexpr (NB == 2) _tile_loadd(7, b + kTileElems, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (NB == 2) _tile_dpbf16ps(1, 4, 7);
+    if constexpr (MB == 2) _tile_dpbf16ps(2, 5, 6);
+    if constexpr (MB == 2 && NB == 2) _tile_dpbf16ps(3, 5, 7);
+  }
+  _tile_stored(0, c, 64);
+  if constexpr (NB == 2) _tile_stored(1, c + kTileFloats, 64);
+  if constexpr (MB == 2) _tile_stored(2, c + 2 * kTileFloats, 64);
+  if constexpr (MB == 2 && NB == 2) _tile_stored(3, c + 3 * kTileFloats, 64);
+}
+
+using I8StreamedDot = void (*)(const uint32_t*, int64_t, const int8_t*, int64_t, int64_t, uint16_t*, float*);
+
+I8StreamedDot i8_streamed_pick(int mb, int nb) {
+  if (mb == 2) return nb == 2 ? &i8_amx_dot_streamed<2, 2> : &i8_amx_dot_streamed<2, 1>;
+  return nb == 2 ? &i8_amx_dot_streamed<1, 2> : &i8_amx_dot_streamed<1, 1>;
+}
+
+// Rows [r, r + 16 mb) x output groups first_group + [0, nb) of the tiles' sums, times the channel scale.
+LLMSERVE_AMX void i8_amx_store(const float* c, int mb, int nb, int64_t r, int64_t M, int64_t first_group,
+                               const float* scale, OutView o, int64_t n) {
+  for (int j = 0; j < nb; ++j) {
+    const int64_t col = (first_group + j) * kOut;
+    if (col >= n) continue;
+    const __m512 s = _mm512_loadu_ps(scale + col);
+    for (int i = 0; i < mb; ++i)
+      for (int64_t m = 0; m < llmserve::kAmxTileRows && r + i * llmserve::kAmxTileRows + m < M; ++m)
+        store_out(o, r + i * llmserve::kAmxTileRows + m, col,
+                  _mm512_mul_ps(_mm512_load_ps(c + (i * 2 + j) * kTileFloats + m * kOut), s), mask_for(n - col));
+  }
+}
+
+// One thread's output groups [begin, end). Up to 32 rows: two groups at a time, their B tiles widened as
+// they stream; more rows: up to 4 groups widened once into a panel that every block of 32 rows multiplies.
+// x: bf16 pair words [rows padded to 16, pairs]; panel: 4 * pairs * 32 bf16 of scratch (64-byte aligned).
+LLMSERVE_AMX void i8_amx_groups(int64_t begin, int64_t end, const int8_t* w, int64_t gstride, int64_t pairs,
+                                const float* scale, const uint32_t* x, int64_t M, OutView o, int64_t n,
+                                uint16_t* panel) {
+  llmserve::load_amx_tile_config();
+  alignas(64) float c[4 * kTileFloats];
+  const int64_t b_stride = pairs * kPanelRowElems, tiles = pairs * 2 / llmserve::kAmxTileK;
+  if (M <= 2 * llmserve::kAmxTileRows) {
+    const int mb = M > llmserve::kAmxTileRows ? 2 : 1;
+    for (int64_t g = begin; g < end; g += 2) {
+      const int nb = static_cast<int>(std::min<int64_t>(2, end - g));
+      i8_streamed_pick(mb, nb)(x, pairs, w + g * gstride, gstride, tiles, panel, c);
+      i8_amx_store(c, mb, nb, 0, M, g, scale, o, n);
+    }
+  } else {
+    for (int64_t g = begin; g < end; g += 4) {
+      const int nv = static_cast<int>(std::min<int64_t>(4, end - g));
+      i8_build_panel(w + g * gstride, gstride, pairs, nv, panel);
+      for (int j0 = 0; j0 < nv; j0 += 2) {
+        const int nb = std::min(2, nv - j0);
+        for (int64_t r = 0; r < M; r += 2 * llmserve::kAmxTileRows) {
+          const int mb = M - r > llmserve::kAmxTileRows ? 2 : 1;
+          amx_pick(mb, nb)(x + r * pairs, pairs, panel + j0 * b_stride, b_stride, tiles, c);
+          i8_amx_store(c, mb, nb, r, M, g + j0, scale, o, n);
+        }
+      }
+    }
   }
   _tile_release();
 }
@@ -551,9 +649,9 @@ struct I4Bf16 {
 };
 
 // mode: 0 = the faster path for these inputs, 1 = fp32 path, 2 = bf16 path (bf16 x, AVX512-BF16),
-// 3 = int4's AMX path.
+// 3 = the AMX path (use_amx_path turns it into 2 for what follows).
 bool use_bf16_path(const at::Tensor& x, int64_t rows, int64_t mode, int64_t min_rows, const char* op) {
-  TORCH_CHECK(mode >= 0 && mode <= 2, op, ": mode must be 0 (auto), 1 (fp32) or 2 (bf16)");
+  TORCH_CHECK(mode >= 0 && mode <= 2, op, ": mode must be 0 (auto), 1 (fp32), 2 (bf16) or 3 (AMX)");
   if (mode == 2) {
     TORCH_CHECK(cpu_has_avx512_bf16(), op, ": the bf16 path needs AVX512-BF16");
     TORCH_CHECK(x.scalar_type() == at::kBFloat16, op, ": the bf16 path needs bfloat16 activations");
@@ -562,18 +660,24 @@ bool use_bf16_path(const at::Tensor& x, int64_t rows, int64_t mode, int64_t min_
   return mode == 0 && cpu_has_avx512_bf16() && x.scalar_type() == at::kBFloat16 && rows >= min_rows;
 }
 
-// int4 from this many rows of bf16 activations on AMX CPUs: the AMX path (mode 3 forces it).
+// From this many rows of bf16 activations on AMX CPUs, the AMX paths (mode 3 forces them).
 constexpr int64_t kI4AmxMinRows = 2;
+// int8: widening its weights to bf16 costs the same at every row count (~12 ms for SmolLM2-135M's linears on
+// the Sapphire Rapids-class host), which the fp32 path beats below 8 rows. There the bf16 panel path lost to
+// the fp32 path at every row count (5-64), so on AMX CPUs mode 0 goes fp32 -> AMX without it.
+constexpr int64_t kI8AmxMinRows = 8;
 
-bool use_i4_amx_path(const at::Tensor& x, int64_t rows, int64_t group, int64_t& mode, const char* op) {
-  const bool fits = x.scalar_type() == at::kBFloat16 && group % llmserve::kAmxTileK == 0;
+// tiles_fit: the weights come in whole 32-input tiles (int4: its groups; int8: its padded inputs).
+bool use_amx_path(const at::Tensor& x, int64_t rows, bool tiles_fit, int64_t min_rows, int64_t& mode, const char* op) {
+  const bool fits = x.scalar_type() == at::kBFloat16 && tiles_fit;
   if (mode == 3) {
     TORCH_CHECK(llmserve::cpu_has_amx_bf16(), op, ": the AMX path needs AMX-BF16 (granted by the OS)");
-    TORCH_CHECK(fits, op, ": the AMX path needs bfloat16 activations and groups of a multiple of 32");
+    TORCH_CHECK(fits, op, ": the AMX path needs bfloat16 activations and inputs in whole tiles of 32 (int4: groups of "
+                "a multiple of 32)");
     mode = 2;  // what the rest of the call reads: the bf16 activation layout
     return true;
   }
-  return mode == 0 && fits && rows >= kI4AmxMinRows && llmserve::cpu_has_amx_bf16();
+  return mode == 0 && fits && rows >= min_rows && llmserve::cpu_has_amx_bf16();
 }
 
 // The activations as [rows, K] (any leading dims), the output [..., n] and its view for the tiles.
@@ -639,7 +743,9 @@ at::Tensor int8_weight_linear_avx512(const at::Tensor& x_in, const at::Tensor& p
               op, ": packed must be int8 [", G, ", ", Kp / 2, ", 32] for ", n, " outputs and ", K, " features");
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == G * kOut, op,
               ": scale must be contiguous float32 [", G * kOut, "] (padded to whole groups of 16)");
-  const bool bf16_path = use_bf16_path(c.x, M, mode, kI8Bf16MinRows, op);
+  const bool amx_path = use_amx_path(c.x, M, K % llmserve::kAmxTileK == 0, kI8AmxMinRows, mode, op);
+  const int64_t panel_min_rows = llmserve::cpu_has_amx_bf16() ? std::numeric_limits<int64_t>::max() : kI8Bf16MinRows;
+  const bool bf16_path = amx_path || use_bf16_path(c.x, M, mode, panel_min_rows, op);
   if (M == 0 || n == 0) return c.out;
   const OutView o = c.o;
   const int8_t* w = packed.data_ptr<int8_t>();
@@ -648,6 +754,19 @@ at::Tensor int8_weight_linear_avx512(const at::Tensor& x_in, const at::Tensor& p
   const Kind x_kind = kind_of(c.x.scalar_type(), op);
   const char* xsrc = static_cast<const char*>(c.x.data_ptr());
   at::Tensor holder;
+  if (amx_path) {  // rows padded with zeros to whole 16-row tiles (K == Kp: whole 32-input tiles)
+    const int64_t padded_rows = (M + llmserve::kAmxTileRows - 1) / llmserve::kAmxTileRows * llmserve::kAmxTileRows;
+    uint16_t* padded = reinterpret_cast<uint16_t*>(scratch(padded_rows * Kp / 2, holder));
+    std::memcpy(padded, xsrc, 2 * M * K);
+    std::memset(padded + M * K, 0, 2 * (padded_rows - M) * K);
+    const uint32_t* xp = reinterpret_cast<const uint32_t*>(padded);
+    at::parallel_for(0, G, 1, [&](int64_t begin, int64_t end) {
+      struct alignas(64) PanelRow { uint16_t v[kPanelRowElems]; };
+      std::vector<PanelRow> panel(4 * pairs);
+      i8_amx_groups(begin, end, w, gstride, pairs, sp, xp, M, o, n, reinterpret_cast<uint16_t*>(panel.data()));
+    });
+    return c.out;
+  }
   if (bf16_path) {
     const uint32_t* xp = reinterpret_cast<const uint32_t*>(xsrc);
     if (Kp != K) {  // one zero input appended to each row
@@ -701,7 +820,7 @@ at::Tensor int4_weight_linear_avx512(const at::Tensor& x_in, const at::Tensor& p
                   packed.size(1) == groups && packed.size(2) == qstride,
               op, ": packed must be uint8 [", G, ", ", groups, ", ", qstride, "] for ", n, " outputs, ", K,
               " features, group ", group, " and ", scale_dtype, " scales");
-  const bool amx_path = use_i4_amx_path(c.x, M, group, mode, op);
+  const bool amx_path = use_amx_path(c.x, M, group % llmserve::kAmxTileK == 0, kI4AmxMinRows, mode, op);
   const bool bf16_path = amx_path || use_bf16_path(c.x, M, mode, 1, op);
   if (M == 0 || n == 0) return c.out;
   const OutView o = c.o;
@@ -778,6 +897,7 @@ bool quant_avx512_available() { return cpu_has_avx512(); }
 bool quant_avx512_bf16_available() { return cpu_has_avx512_bf16(); }
 bool quant_amx_available() { return llmserve::cpu_has_amx_bf16(); }
 int64_t int4_amx_min_rows() { return kI4AmxMinRows; }
+int64_t int8_amx_min_rows() { return kI8AmxMinRows; }
 
 }  // namespace
 
@@ -786,6 +906,7 @@ TORCH_LIBRARY_FRAGMENT(llmserve_cpu, m) {
   m.def("quant_avx512_bf16_available() -> bool", &quant_avx512_bf16_available);
   m.def("quant_amx_available() -> bool", &quant_amx_available);
   m.def("int4_amx_min_rows() -> int", &int4_amx_min_rows);
+  m.def("int8_amx_min_rows() -> int", &int8_amx_min_rows);
   m.def("int8_weight_linear_avx512(Tensor x, Tensor packed, Tensor scale, int n, Tensor? bias=None, int mode=0) -> Tensor",
         &int8_weight_linear_avx512);
   m.def("int4_weight_linear_avx512(Tensor x, Tensor packed, int n, int group, ScalarType scale_dtype, Tensor? bias=None, "
