@@ -57,4 +57,38 @@ LLMSERVE_AMX inline void load_amx_tile_config() {
   _tile_loadconfig(&config);
 }
 
+// The tile step every AMX kernel here takes: C tiles tmm0-3 (row block i, output group j at tmm i * 2 + j)
+// for MB row blocks (1..2) x NB output groups (1..2), A in tmm4-5, B in tmm6-7.
+template <int MB, int NB>
+LLMSERVE_AMX inline void amx_zero() {
+  _tile_zero(0);
+  if constexpr (NB == 2) _tile_zero(1);
+  if constexpr (MB == 2) _tile_zero(2);
+  if constexpr (MB == 2 && NB == 2) _tile_zero(3);
+}
+
+// C += A . B for one 32-input tile: a0 / a1 the row blocks' A rows (a_stride bytes apart), b0 / b1 the output
+// groups' B tiles (16 rows of 64 bytes).
+template <int MB, int NB>
+LLMSERVE_AMX inline void amx_step(const void* a0, const void* a1, int64_t a_stride, const void* b0, const void* b1) {
+  _tile_loadd(4, a0, a_stride);
+  if constexpr (MB == 2) _tile_loadd(5, a1, a_stride);
+  _tile_loadd(6, b0, 64);
+  if constexpr (NB == 2) _tile_loadd(7, b1, 64);
+  _tile_dpbf16ps(0, 4, 6);
+  if constexpr (NB == 2) _tile_dpbf16ps(1, 4, 7);
+  if constexpr (MB == 2) _tile_dpbf16ps(2, 5, 6);
+  if constexpr (MB == 2 && NB == 2) _tile_dpbf16ps(3, 5, 7);
+}
+
+// The C tiles to c: tile i * 2 + j at c + (i * 2 + j) * 256 floats (16 rows of 16).
+template <int MB, int NB>
+LLMSERVE_AMX inline void amx_store(float* c) {
+  constexpr int64_t kTileFloats = kAmxTileRows * 16;
+  _tile_stored(0, c, 64);
+  if constexpr (NB == 2) _tile_stored(1, c + kTileFloats, 64);
+  if constexpr (MB == 2) _tile_stored(2, c + 2 * kTileFloats, 64);
+  if constexpr (MB == 2 && NB == 2) _tile_stored(3, c + 3 * kTileFloats, 64);
+}
+
 }  // namespace llmserve

@@ -49,26 +49,10 @@ LLMSERVE_AMX void store_block(const float* c, const float* bias, uint16_t* y, in
 // One tile step: MB row blocks (1..2) x NB output groups (1..2) over the whole K.
 template <int MB, int NB>
 LLMSERVE_AMX void block(const uint16_t* x, int64_t k, const uint16_t* w, int64_t group_stride, float* c) {
-  _tile_zero(0);
-  if constexpr (NB == 2) _tile_zero(1);
-  if constexpr (MB == 2) _tile_zero(2);
-  if constexpr (MB == 2 && NB == 2) _tile_zero(3);
-  const int64_t x_stride = k * 2;  // bytes
-  for (int64_t kc = 0; kc < k; kc += kTileK) {
-    _tile_loadd(4, x + kc, x_stride);
-    if constexpr (MB == 2) _tile_loadd(5, x + kTileRows * k + kc, x_stride);
-    _tile_loadd(6, w + kc * kGroup, 64);  // pairs kc/2 .. kc/2+15 of the group: 16 rows of 64 bytes
-    if constexpr (NB == 2) _tile_loadd(7, w + group_stride + kc * kGroup, 64);
-    _tile_dpbf16ps(0, 4, 6);
-    if constexpr (NB == 2) _tile_dpbf16ps(1, 4, 7);
-    if constexpr (MB == 2) _tile_dpbf16ps(2, 5, 6);
-    if constexpr (MB == 2 && NB == 2) _tile_dpbf16ps(3, 5, 7);
-  }
-  constexpr int64_t kTileFloats = kTileRows * kGroup;
-  _tile_stored(0, c, 64);
-  if constexpr (NB == 2) _tile_stored(1, c + kTileFloats, 64);
-  if constexpr (MB == 2) _tile_stored(2, c + 2 * kTileFloats, 64);
-  if constexpr (MB == 2 && NB == 2) _tile_stored(3, c + 3 * kTileFloats, 64);
+  llmserve::amx_zero<MB, NB>();
+  for (int64_t kc = 0; kc < k; kc += kTileK)  // B: pairs kc/2 .. kc/2+15 of the group, 16 rows of 64 bytes
+    llmserve::amx_step<MB, NB>(x + kc, x + kTileRows * k + kc, k * 2, w + kc * kGroup, w + group_stride + kc * kGroup);
+  llmserve::amx_store<MB, NB>(c);
 }
 
 using BlockFn = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, float*);

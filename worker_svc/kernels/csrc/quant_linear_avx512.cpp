@@ -412,26 +412,13 @@ LLMSERVE_AMX void i4_amx_b_tiles(const Int4Args& a, int v, int64_t q, uint16_t* 
 // group 0's B rows, group 1's b_stride elements on.
 template <int MB, int NB>
 LLMSERVE_AMX void amx_dot(const uint32_t* x, int64_t ldx, const uint16_t* b, int64_t b_stride, int64_t tiles,
-                             float* c) {
-  _tile_zero(0);
-  if constexpr (NB == 2) _tile_zero(1);
-  if constexpr (MB == 2) _tile_zero(2);
-  if constexpr (MB == 2 && NB == 2) _tile_zero(3);
+                          float* c) {
   constexpr int64_t kWordsPerTile = llmserve::kAmxTileK / 2;
-  for (int64_t u = 0; u < tiles; ++u) {
-    _tile_loadd(4, x + u * kWordsPerTile, ldx * 4);
-    if constexpr (MB == 2) _tile_loadd(5, x + llmserve::kAmxTileRows * ldx + u * kWordsPerTile, ldx * 4);
-    _tile_loadd(6, b + u * 16 * kPanelRowElems, 64);
-    if constexpr (NB == 2) _tile_loadd(7, b + b_stride + u * 16 * kPanelRowElems, 64);
-    _tile_dpbf16ps(0, 4, 6);
-    if constexpr (NB == 2) _tile_dpbf16ps(1, 4, 7);
-    if constexpr (MB == 2) _tile_dpbf16ps(2, 5, 6);
-    if constexpr (MB == 2 && NB == 2) _tile_dpbf16ps(3, 5, 7);
-  }
-  _tile_stored(0, c, 64);
-  if constexpr (NB == 2) _tile_stored(1, c + kTileFloats, 64);
-  if constexpr (MB == 2) _tile_stored(2, c + 2 * kTileFloats, 64);
-  if constexpr (MB == 2 && NB == 2) _tile_stored(3, c + 3 * kTileFloats, 64);
+  llmserve::amx_zero<MB, NB>();
+  for (int64_t u = 0; u < tiles; ++u)
+    llmserve::amx_step<MB, NB>(x + u * kWordsPerTile, x + llmserve::kAmxTileRows * ldx + u * kWordsPerTile, ldx * 4,
+                               b + u * 16 * kPanelRowElems, b + b_stride + u * 16 * kPanelRowElems);
+  llmserve::amx_store<MB, NB>(c);
 }
 
 using AmxDot = void (*)(const uint32_t*, int64_t, const uint16_t*, int64_t, int64_t, float*);
@@ -505,11 +492,8 @@ LLMSERVE_AMX void i8_b_tile(const int8_t* w, int64_t p0, uint16_t* rows) {
 template <int MB, int NB>
 LLMSERVE_AMX void i8_amx_dot_streamed(const uint32_t* x, int64_t ldx, const int8_t* w, int64_t gstride,
                                       int64_t tiles, uint16_t* b, float* c) {
-  _tile_zero(0);
-  if constexpr (NB == 2) _tile_zero(1);
-  if constexpr (MB == 2) _tile_zero(2);
-  if constexpr (MB == 2 && NB == 2) _tile_zero(3);
   constexpr int64_t kWordsPerTile = llmserve::kAmxTileK / 2, kTileElems = 16 * kPanelRowElems;
+  llmserve::amx_zero<MB, NB>();
   for (int64_t kt = 0; kt < tiles; ++kt) {
     prefetch_ahead(w + kt * 16 * kI8PairBytes);
     i8_b_tile(w, kt * 16, b);
@@ -517,19 +501,10 @@ LLMSERVE_AMX void i8_amx_dot_streamed(const uint32_t* x, int64_t ldx, const int8
       prefetch_ahead(w + gstride + kt * 16 * kI8PairBytes);
       i8_b_tile(w + gstride, kt * 16, b + kTileElems);
     }
-    _tile_loadd(4, x + kt * kWordsPerTile, ldx * 4);
-    if constexpr (MB == 2) _tile_loadd(5, x + llmserve::kAmxTileRows * ldx + kt * kWordsPerTile, ldx * 4);
-    _tile_loadd(6, b, 64);
-    if constexpr (NB == 2) _tile_loadd(7, b + kTileElems, 64);
-    _tile_dpbf16ps(0, 4, 6);
-    if constexpr (NB == 2) _tile_dpbf16ps(1, 4, 7);
-    if constexpr (MB == 2) _tile_dpbf16ps(2, 5, 6);
-    if constexpr (MB == 2 && NB == 2) _tile_dpbf16ps(3, 5, 7);
+    llmserve::amx_step<MB, NB>(x + kt * kWordsPerTile, x + llmserve::kAmxTileRows * ldx + kt * kWordsPerTile, ldx * 4,
+                               b, b + kTileElems);
   }
-  _tile_stored(0, c, 64);
-  if constexpr (NB == 2) _tile_stored(1, c + kTileFloats, 64);
-  if constexpr (MB == 2) _tile_stored(2, c + 2 * kTileFloats, 64);
-  if constexpr (MB == 2 && NB == 2) _tile_stored(3, c + 3 * kTileFloats, 64);
+  llmserve::amx_store<MB, NB>(c);
 }
 
 using I8StreamedDot = void (*)(const uint32_t*, int64_t, const int8_t*, int64_t, int64_t, uint16_t*, float*);
