@@ -9,12 +9,15 @@
 
 #include <cstdint>
 
+#include "avx512.h"
+
 namespace llmserve {
 
 #define LLMSERVE_AMX __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
 
 constexpr int64_t kAmxTileRows = 16;  // rows of an A / C tile
 constexpr int64_t kAmxTileK = 32;     // bf16 inputs per A row / B tile (16 pairs)
+constexpr int64_t kAmxTileFloats = kAmxTileRows * 16;  // one C tile: 16 rows of 16 fp32
 
 // Linux hands out the AMX tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM); without it the
 // first tile instruction raises SIGILL. The grant is per process and lasts; asking again is harmless.
@@ -30,10 +33,8 @@ inline bool cpu_has_amx_bf16() {
     unsigned eax, ebx, ecx, edx;
     if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
     const bool amx_bf16 = (edx >> 22) & 1, amx_tile = (edx >> 24) & 1;
-    const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-                        __builtin_cpu_supports("avx512bf16");
-    return amx_bf16 && amx_tile && avx512 && request_amx_permission();
+    const bool avx512_bf16 = cpu_has_avx512() && __builtin_cpu_supports("avx512bf16");
+    return amx_bf16 && amx_tile && avx512_bf16 && request_amx_permission();
   }();
   return has;
 }
@@ -81,14 +82,13 @@ LLMSERVE_AMX inline void amx_step(const void* a0, const void* a1, int64_t a_stri
   if constexpr (MB == 2 && NB == 2) _tile_dpbf16ps(3, 5, 7);
 }
 
-// The C tiles to c: tile i * 2 + j at c + (i * 2 + j) * 256 floats (16 rows of 16).
+// The C tiles to c: tile i * 2 + j at c + (i * 2 + j) * kAmxTileFloats.
 template <int MB, int NB>
 LLMSERVE_AMX inline void amx_store(float* c) {
-  constexpr int64_t kTileFloats = kAmxTileRows * 16;
   _tile_stored(0, c, 64);
-  if constexpr (NB == 2) _tile_stored(1, c + kTileFloats, 64);
-  if constexpr (MB == 2) _tile_stored(2, c + 2 * kTileFloats, 64);
-  if constexpr (MB == 2 && NB == 2) _tile_stored(3, c + 3 * kTileFloats, 64);
+  if constexpr (NB == 2) _tile_stored(1, c + kAmxTileFloats, 64);
+  if constexpr (MB == 2) _tile_stored(2, c + 2 * kAmxTileFloats, 64);
+  if constexpr (MB == 2 && NB == 2) _tile_stored(3, c + 3 * kAmxTileFloats, 64);
 }
 
 }  // namespace llmserve

@@ -21,8 +21,8 @@
 #include "amx.h"
 #include "packed_bf16.h"
 
+#include <algorithm>
 #include <cstdint>
-#include <cstring>
 
 namespace {
 
@@ -66,7 +66,7 @@ BlockFn pick(int mb, int nb) {
 LLMSERVE_AMX void run_groups(int64_t begin, int64_t end, const uint16_t* xp, int64_t rows, int64_t k, const uint16_t* wp,
                              int64_t group_stride, const float* bp, uint16_t* yp, int64_t n) {
   load_amx_tile_config();  // tile state is per thread
-  alignas(64) float c[4 * kTileRows * kGroup];
+  alignas(64) float c[4 * llmserve::kAmxTileFloats];
   for (int64_t g = begin; g < end; g += 2) {
     const int nb = static_cast<int>(std::min<int64_t>(2, end - g));
     for (int64_t r = 0; r < rows; r += 2 * kTileRows) {
@@ -76,8 +76,7 @@ LLMSERVE_AMX void run_groups(int64_t begin, int64_t end, const uint16_t* xp, int
         const int64_t r0 = r + i * kTileRows, valid_rows = std::min<int64_t>(kTileRows, rows - r0);
         for (int j = 0; j < nb; ++j) {
           const int64_t col = (g + j) * kGroup;
-          const float* tile = c + (i * 2 + j) * kTileRows * kGroup;
-          // block<MB, 1> stores its tiles at 0 and 2 * kTileFloats when MB == 2: same indexing.
+          const float* tile = c + (i * 2 + j) * llmserve::kAmxTileFloats;  // as amx_store puts them
           store_block(tile, bp != nullptr ? bp + col : nullptr, yp + r0 * n + col, n, valid_rows, n - col);
         }
       }

@@ -16,6 +16,7 @@
 
 #include <immintrin.h>
 
+#include "avx512.h"
 #include "common.h"
 
 #include <algorithm>
@@ -166,13 +167,7 @@ void attend(const q_t* q, const cache_t* k_pool, const cache_t* v_pool, const in
 // the value accumulators of all of them stay in registers for the weighted sum. Same fp32 arithmetic,
 // another summation order.
 
-#define LLMSERVE_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
-
-bool cpu_has_avx512() {
-  static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-  return has;
-}
+using llmserve::cpu_has_avx512;
 
 LLMSERVE_AVX512 inline __m512 load16(const c10::BFloat16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
@@ -181,13 +176,9 @@ LLMSERVE_AVX512 inline __m512 load16(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
-// Rounded as static_cast<c10::BFloat16> / <c10::Half> round (to nearest even; NaN -> 0x7FC0 for bf16).
+// Rounded as static_cast<c10::BFloat16> / <c10::Half> round (to nearest even).
 LLMSERVE_AVX512 inline void store16(c10::BFloat16* p, __m512 v) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
-  rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(rounded));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), llmserve::to_bf16(v));
 }
 LLMSERVE_AVX512 inline void store16(c10::Half* p, __m512 v) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));

@@ -22,12 +22,14 @@
 //          word, one VPTERNLOGD makes them the bf16 numbers 128 + q (bits 0x4300 | q, exact), one
 //          VDPBF16PS takes (x[8b + t], x[8b + 4 + t]). Per quantization group:
 //          total += s * (x . (q + 128)) + (z - 136 s) * sum(x over the group).
-//          AMX B tiles: VPERMW looks up (q - 8) as bf16 (exact), once per tile for every row block.
 //          AMX path (from kI4AmxMinRows bf16 rows, quantization groups of whole 32-input tiles, on CPUs
-//          with AMX-BF16): those same words are AMX's B rows as they are (16 outputs x the input pair
-//          (8b + t, 8b + 4 + t)), so per pair of output groups they are written once into B tiles for the
-//          whole K, and the tiles multiply 16-row blocks of x paired the same way; the group fold reads
-//          the tiles' fp32 sums.
+//          with AMX-BF16): a VPERMW lookup of (q - 8) per word and step is one AMX B row (16 outputs x the
+//          input pair (8b + t, 8b + 4 + t)); per pair of output groups and quantization group the B tiles
+//          are written once into L1, every block of 32 rows of x (paired the same way) multiplies them,
+//          and the group fold reads the tiles' fp32 sums.
+//   int8 AMX path (from kI8AmxMinRows bf16 rows, inputs in whole 32-input tiles): the int8 pairs widened
+//          to bf16 are AMX B rows; up to 32 rows the tiles are widened as the weights stream, beyond that
+//          into a per-tile panel every row block reuses; the channel scale multiplies the tiles' sums.
 //   A bias (any float dtype) is added in fp32 before the one rounding to the output dtype.
 //
 // Tiles: MR rows x NV groups of 16 outputs in fp32 registers; threads (at::parallel_for) split the
@@ -41,6 +43,7 @@
 #include <immintrin.h>
 
 #include "amx.h"
+#include "avx512.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -50,7 +53,9 @@
 
 namespace {
 
-#define LLMSERVE_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
+using llmserve::cpu_has_avx512;
+using llmserve::to_bf16;
+
 #define LLMSERVE_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
 
 constexpr int64_t kOut = 16;      // outputs per group: one zmm of fp32 sums
@@ -64,12 +69,6 @@ constexpr int64_t kPrefetchL2Bytes = 2048;
 inline void prefetch_ahead(const void* p) {
   _mm_prefetch(static_cast<const char*>(p) + kPrefetchL1Bytes, _MM_HINT_T0);
   _mm_prefetch(static_cast<const char*>(p) + kPrefetchL2Bytes, _MM_HINT_T1);
-}
-
-bool cpu_has_avx512() {
-  static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-  return has;
 }
 
 bool cpu_has_avx512_bf16() {
@@ -97,15 +96,6 @@ LLMSERVE_AVX512 inline __m512 load16(const void* p, Kind kind) {
       return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(static_cast<const __m256i*>(p))), 16));
     default: return _mm512_cvtph_ps(_mm256_loadu_si256(static_cast<const __m256i*>(p)));
   }
-}
-
-// Rounds to nearest even as c10::BFloat16 does (NaN -> 0x7FC0), without needing AVX512-BF16.
-LLMSERVE_AVX512 inline __m256i to_bf16(__m512 v) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
-  rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
-  return _mm512_cvtepi32_epi16(rounded);
 }
 
 LLMSERVE_AVX512 inline void store16(void* p, int64_t index, __m512 v, Kind kind, __mmask16 mask) {
@@ -389,7 +379,7 @@ LLMSERVE_AVX512_BF16 void i4_tile_bf16(const uint32_t* x, int64_t ldx, Int4Args 
 
 // ---- int4 on AMX -----------------------------------------------------------------------------------
 
-constexpr int64_t kTileFloats = llmserve::kAmxTileRows * kOut;
+constexpr int64_t kTileFloats = llmserve::kAmxTileFloats;
 constexpr int64_t kPanelRowElems = 2 * kOut;  // one B row: 16 outputs x 2 bf16
 
 // Output group v's (q - 8) over quantization group q as bf16 B rows: row 4 bb + t = the bf16 path's words
