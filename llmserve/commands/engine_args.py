@@ -74,6 +74,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--cuda-graph-max-bs", type=int, default=None, metavar="N",
                    help="CUDA graphs: capture decode batch sizes 1, 2, 4, 8, 16, 24, ... up to N (default "
                    "--max-running-requests); larger decode batches run eagerly")
+    g.add_argument("--enable-torch-compile", action="store_true",
+                   help="CPU: compile the decode forward with torch.compile (inductor) at start, so decode "
+                   "steps run without Python between the kernels; start takes longer (cached afterwards)")
+    g.add_argument("--torch-compile-max-bs", type=int, default=32, metavar="N",
+                   help="--enable-torch-compile: decode steps of up to N requests run compiled (default 32); "
+                   "larger ones and prefill run eagerly")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -101,6 +107,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         tbo_min_tokens=getattr(args, "tbo_min_tokens", 1024),
         disable_cuda_graph=getattr(args, "disable_cuda_graph", False),
         cuda_graph_max_bs=getattr(args, "cuda_graph_max_bs", None),
+        enable_torch_compile=getattr(args, "enable_torch_compile", False),
+        torch_compile_max_bs=getattr(args, "torch_compile_max_bs", 32),
     )
 
 

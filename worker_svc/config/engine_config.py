@@ -80,6 +80,12 @@ class EngineConfig:
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int | None = None
 
+    # torch.compile of the decode forward on the CPU (executor/compiled_decode.py, sglang's
+    # --enable-torch-compile): decode steps of up to torch_compile_max_bs requests run the decoder's
+    # layers as one inductor graph (no Python between the kernels), compiled at start.
+    enable_torch_compile: bool = False
+    torch_compile_max_bs: int = 32
+
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype {self.dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
@@ -100,5 +106,7 @@ class EngineConfig:
             raise ValueError("--tbo-min-tokens must be at least 2 (a split needs two micro-batches)")
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs <= 0:
             raise ValueError("--cuda-graph-max-bs must be positive")
+        if self.torch_compile_max_bs <= 0:
+            raise ValueError("--torch-compile-max-bs must be positive")
         if self.max_total_tokens is not None and self.max_total_tokens <= 0:
             raise ValueError("--max-total-tokens must be positive")

@@ -17,6 +17,7 @@ from torch import nn
 from worker_svc.config.dtype import resolve_dtype
 from worker_svc.config.engine_config import EngineConfig
 from worker_svc.config.model_config import ModelConfig, load_model_config
+from worker_svc.executor.compiled_decode import build_compiled_decode
 from worker_svc.executor.cuda_graph_runner import CudaGraphRunner, graph_plan
 from worker_svc.executor.kernel_choice import KernelPlan, apply_kernels, attention_backend, choose_kernels
 from worker_svc.executor.model_loader import load_checkpoint
@@ -113,6 +114,8 @@ class ModelRunner:
         self.kv = self._build_kv_cache()
         self.attn_backend = attention_backend(self.kernels)
         self.cuda_graphs = self._build_cuda_graphs()
+        self.compiled_decode, self._compile_off_reason = build_compiled_decode(
+            engine_config, self.model, self.tp, self.kv, self.attn_backend, self.device)
 
     def _load_model(self, quant: QuantConfig, kernels: KernelPlan) -> nn.Module:
         engine_config = self.engine_config
@@ -164,6 +167,14 @@ class ModelRunner:
         )
         return kv
 
+    @property
+    def torch_compile(self) -> str:
+        """"on", or "off: <why>" (GetServerInfo's scheduler_info.torch_compile)."""
+        compiled = self.compiled_decode
+        if compiled is None:
+            return f"off: {self._compile_off_reason}"
+        return f"off: {compiled.failed}" if compiled.failed else "on"
+
     def _build_cuda_graphs(self) -> CudaGraphRunner | None:
         capability = torch.cuda.get_device_capability(self.device) if self.device.type == "cuda" else None
         plan = graph_plan(self.engine_config, self.device, self.tp, self.model,
@@ -201,6 +212,8 @@ class ModelRunner:
             return forward_two_batch(self._staged, self.tp, first, second, split.cut_request)
         if self.cuda_graphs is not None and (logits := self.cuda_graphs.run(step)) is not None:
             return logits
+        if self.compiled_decode is not None and self.compiled_decode.accepts(step):
+            return self.compiled_decode.forward(self._prepared(step))
         return self.model(self._prepared(step))
 
     def _prepared(self, step: StepInput) -> ForwardBatch:

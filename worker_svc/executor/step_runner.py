@@ -49,6 +49,10 @@ class StepRunner(Protocol):
     def kernels(self) -> KernelPlan:
         """The kernels this rank's model runs (chosen at load, executor/kernel_choice.py)."""
 
+    @property
+    def torch_compile(self) -> str:
+        """"on" where decode steps run compiled (executor/compiled_decode.py), else "off: <why>"."""
+
     def forward(self, step: StepInput) -> torch.Tensor:
         """Run one step; float32 logits [batch, vocab] at each request's final token, or
         [tokens, vocab] at every new token when ``step.all_logits``."""

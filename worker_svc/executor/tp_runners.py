@@ -115,6 +115,10 @@ class LeaderRunner:
     def kernels(self) -> KernelPlan:
         return self.runner.kernels
 
+    @property
+    def torch_compile(self) -> str:
+        return self.runner.torch_compile
+
     def _guarded(self, fn: Callable[[], _T]) -> _T:
         """Any failure here leaves the ranks out of step (a peer is gone, or waits in a collective this
         rank will never join), so it breaks the group for good: TPGroupFailed, now and on every call."""

@@ -35,6 +35,8 @@ from pathlib import Path
 import structlog
 import torch
 
+from worker_svc.kernels import fake_ops
+
 CSRC = Path(__file__).parent / "csrc"
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
 
@@ -72,6 +74,7 @@ def load() -> object | None:
     except Exception as exc:  # compiler missing or failing: the torch paths still work
         log.warning("cpu_ext.build_failed", error=str(exc).splitlines()[-1] if str(exc) else repr(exc))
         return None
+    fake_ops.register(torch.ops.llmserve_cpu)  # so torch.compile can trace steps that call them
     log.info("cpu_ext.loaded", seconds=round(time.perf_counter() - start, 2))
     return torch.ops.llmserve_cpu
 

@@ -111,5 +111,7 @@ bool bf16_linear_amx_available() { return cpu_has_amx_bf16(); }
 
 TORCH_LIBRARY_FRAGMENT(llmserve_cpu, m) {
   m.def("bf16_linear_amx_available() -> bool", &bf16_linear_amx_available);
-  m.def("bf16_linear_packed_amx(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor", &bf16_linear_packed_amx);
+  m.def("bf16_linear_packed_amx(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
 }
+
+TORCH_LIBRARY_IMPL(llmserve_cpu, CPU, m) { m.impl("bf16_linear_packed_amx", &bf16_linear_packed_amx); }

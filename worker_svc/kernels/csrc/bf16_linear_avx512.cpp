@@ -138,5 +138,7 @@ bool bf16_linear_available() { return cpu_has_avx512_bf16(); }
 TORCH_LIBRARY_FRAGMENT(llmserve_cpu, m) {
   m.def("bf16_linear_available() -> bool", &bf16_linear_available);
   m.def("bf16_pack_weight(Tensor weight) -> Tensor", &bf16_pack_weight);
-  m.def("bf16_linear_packed(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor", &bf16_linear_packed);
+  m.def("bf16_linear_packed(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
 }
+
+TORCH_LIBRARY_IMPL(llmserve_cpu, CPU, m) { m.impl("bf16_linear_packed", &bf16_linear_packed); }

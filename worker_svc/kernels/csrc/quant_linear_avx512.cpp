@@ -872,9 +872,12 @@ TORCH_LIBRARY_FRAGMENT(llmserve_cpu, m) {
   m.def("quant_amx_available() -> bool", &quant_amx_available);
   m.def("int4_amx_min_rows() -> int", &int4_amx_min_rows);
   m.def("int8_amx_min_rows() -> int", &int8_amx_min_rows);
-  m.def("int8_weight_linear_avx512(Tensor x, Tensor packed, Tensor scale, int n, Tensor? bias=None, int mode=0) -> Tensor",
-        &int8_weight_linear_avx512);
+  m.def("int8_weight_linear_avx512(Tensor x, Tensor packed, Tensor scale, int n, Tensor? bias=None, int mode=0) -> Tensor");
   m.def("int4_weight_linear_avx512(Tensor x, Tensor packed, int n, int group, ScalarType scale_dtype, Tensor? bias=None, "
-        "int mode=0) -> Tensor",
-        &int4_weight_linear_avx512);
+        "int mode=0) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(llmserve_cpu, CPU, m) {
+  m.impl("int8_weight_linear_avx512", &int8_weight_linear_avx512);
+  m.impl("int4_weight_linear_avx512", &int4_weight_linear_avx512);
 }

@@ -109,5 +109,7 @@ std::tuple<at::Tensor, at::Tensor> rotary_rotate_half(const at::Tensor& q, const
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(llmserve_cpu, m) {
-  m.def("rotary_rotate_half(Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor, Tensor)", &rotary_rotate_half);
+  m.def("rotary_rotate_half(Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor, Tensor)");
 }
+
+TORCH_LIBRARY_IMPL(llmserve_cpu, CPU, m) { m.impl("rotary_rotate_half", &rotary_rotate_half); }
