@@ -49,8 +49,10 @@ class Series:
         return f"{rounds} (median {format(self.median, fmt)})" if len(self.values) > 1 else rounds
 
 
-def run_ours(model: str, threads: int, output_len: int, quant: str | None) -> dict[int, dict[str, float]]:
-    """bench-one-batch at bs1 and bs16: {batch: {"step_ms", "tok_s", "prefill_tok_s"}}."""
+def run_ours(model: str, threads: int, output_len: int, quant: str | None,
+             compiled: bool = False) -> dict[int, dict[str, float]]:
+    """bench-one-batch at bs1 and bs16 (``compiled``: with --enable-torch-compile): {batch: {"step_ms", "tok_s",
+    "prefill_tok_s"}}."""
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "result.json"
         cmd = [sys.executable, "-m", "llmserve.cli", "bench-one-batch", "--model", model, "--dtype", "bfloat16",
@@ -59,6 +61,8 @@ def run_ours(model: str, threads: int, output_len: int, quant: str | None) -> di
                "--result-file", str(result)]
         if quant:
             cmd += ["--torchao-config", quant, "--quantize-lm-head"]
+        if compiled:
+            cmd.append("--enable-torch-compile")
         subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=900)
         rows = json.loads(result.read_text())
     return {r["batch_size"]: {"step_ms": r["median_decode_latency"] * 1e3,
@@ -161,6 +165,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--quant", default="int4wo-32", help="our 4-bit configuration (Q4_1 is group-32 4-bit)")
+    parser.add_argument("--compiled", action="store_true",
+                        help="also run ours with --enable-torch-compile (each run compiles at start: ~40 s cached)")
     args = parser.parse_args()
     model = str(Path(args.model).resolve())
     gguf = args.gguf or next((str(p) for p in sorted(Path(model).glob("*.gguf"))), None)
@@ -192,8 +198,11 @@ def main() -> None:
     try:
         for round_no in range(1, args.rounds + 1):
             print(f"round {round_no}/{args.rounds}", file=sys.stderr)
-            record("ours bf16", run_ours(model, args.threads, args.output_len, None))
-            record(f"ours {args.quant}", run_ours(model, args.threads, args.output_len, args.quant))
+            for compiled in (False, True) if args.compiled else (False,):
+                suffix = " compiled" if compiled else ""
+                record(f"ours bf16{suffix}", run_ours(model, args.threads, args.output_len, None, compiled))
+                record(f"ours {args.quant}{suffix}",
+                       run_ours(model, args.threads, args.output_len, args.quant, compiled))
             if vllm is not None:
                 record("vLLM-CPU bf16", {b: vllm.measure(b, args.output_len) for b in (1, 16)})
             if llama_bin is not None and gguf is not None:
@@ -228,7 +237,9 @@ def main() -> None:
         return f"{x.median / y.median:.2f}x"
 
     print("\nratios of the medians (higher is better for ours):")
-    pairs = [("ours bf16", "vLLM-CPU bf16"), (f"ours {args.quant}", "llama.cpp Q4_1")]
+    pairs = [(f"ours bf16{suffix}", "vLLM-CPU bf16") for suffix in ("", " compiled")]
+    pairs += [(f"ours {args.quant}{suffix}", "llama.cpp Q4_1") for suffix in ("", " compiled")]
+    pairs = [(ours, peer) for ours, peer in pairs if any(engine == ours for engine, _, _ in table)]
     for ours, peer in pairs:
         print(f"- {ours} / {peer}: decode bs1 {ratio(ours, peer, 'tok_s', 1)}, decode bs16 "
               f"{ratio(ours, peer, 'tok_s', 16)}, prefill bs1 {ratio(ours, peer, 'prefill_tok_s', 1)}")
