@@ -10,6 +10,7 @@
 #   benchmarks/serving_peers.sh MODEL VLLM_PYTHON [OUT]
 #
 # PARTS (default "vllm ours direct") runs only the parts named: vLLM's server, ours behind smg, router vs worker.
+# OURS_FLAGS: extra worker flags for part 2 (e.g. "--enable-torch-compile").
 set -euo pipefail
 parts=" ${PARTS:-vllm ours direct} "
 model=$(realpath "${1:?usage: benchmarks/serving_peers.sh MODEL VLLM_PYTHON [OUT]}")
@@ -56,7 +57,7 @@ ours() {  # ours TAG EXTRA_WORKER_FLAGS...: start worker + smg, run the clients,
     local wport gport
     wport=$(port); gport=$(port)
     "$py" -m llmserve.cli worker --model "$model" --dtype bfloat16 --port "$wport" --served-model-name m \
-        --max-running-requests 64 "$@" > "$out/worker_$tag.log" 2>&1 &
+        --max-running-requests 64 ${OURS_FLAGS:-} "$@" > "$out/worker_$tag.log" 2>&1 &
     local wpid=$!; pids+=("$wpid")
     "$smg" launch --host 127.0.0.1 --port "$gport" --worker-urls "grpc://127.0.0.1:$wport" --policy round_robin \
         --tokenizer-path "$model" --prometheus-host 127.0.0.1 --prometheus-port "$(port)" > "$out/smg_$tag.log" 2>&1 &

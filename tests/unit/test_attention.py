@@ -166,3 +166,57 @@ def test_a_layer_refuses_the_other_kind_of_backend():
     latent_layer = MLAAttentionLayer(0, 2, 4, 3, 2, 3, scaling=1.0, kv_b_proj=torch.nn.Linear(4, 2 * (3 + 3)))
     with pytest.raises(TypeError, match="MLA attention backend"):
         latent_layer(q[:, :2, :3], q[:, :2, :2], torch.zeros(2, 6), batch)
+
+
+def _mixed_extend_batch(backend, dtype, heads=8, kv_heads=2, dim=16):
+    """An extend step as a mixed step makes it: a fresh prompt of 6 tokens, a 4-token extend on a cached
+    prefix of 9, and three requests adding one token to cached prefixes of 12, 3 and 30 (the decode rows).
+    Every new token's K/V is in the pool already (the backend stores before attending)."""
+    gen = torch.Generator().manual_seed(1)
+    prefix_lens, seq_lens = [0, 9, 12, 3, 30], [6, 13, 13, 4, 31]
+    pool = MHAKVPool(256, 1, kv_heads, dim, dtype, torch.device("cpu"))
+    table = torch.zeros(len(seq_lens), 65, dtype=torch.int64)
+    order = torch.randperm(255, generator=gen) + 1
+    used = 0
+    for row, length in enumerate(seq_lens):
+        table[row, :length] = order[used : used + length]
+        used += length
+    slots = pool.k_buffers[0].shape[0] - 1  # slot 0 is the padding slot
+    pool.k_buffers[0][1:] = torch.randn(slots, kv_heads, dim, generator=gen).to(dtype)
+    pool.v_buffers[0][1:] = torch.randn(slots, kv_heads, dim, generator=gen).to(dtype)
+    new_slots = torch.cat([table[i, p:s] for i, (p, s) in enumerate(zip(prefix_lens, seq_lens, strict=True))])
+    batch = ForwardBatch(
+        mode=ForwardMode.EXTEND, input_ids=torch.zeros(len(new_slots), dtype=torch.int64),
+        positions=torch.cat([torch.arange(p, s) for p, s in zip(prefix_lens, seq_lens, strict=True)]),
+        out_slots=new_slots, req_rows=torch.arange(len(seq_lens)), seq_lens=seq_lens, prefix_lens=prefix_lens,
+        req_to_token=table, kv_pool=pool, attn_backend=backend,
+    )
+    layer = AttentionLayer(0, heads, kv_heads, dim, scaling=dim**-0.5)
+    q = torch.randn(len(new_slots), heads, dim, generator=gen).to(dtype)
+    return batch, layer, q, pool.k_buffers[0][new_slots].clone(), pool.v_buffers[0][new_slots].clone()
+
+
+@pytest.mark.parametrize("impl", ["grouped_matmul", "sdpa", pytest.param("avx2", marks=needs_cpu_ops)])
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 1.6e-2)])
+def test_a_mixed_steps_one_token_rows_attend_as_one_decode(impl, dtype, atol):
+    """The requests adding one token to a cached prefix (a mixed step's decode rows) go into one decode call
+    (the backend's decode kernel) instead of one masked attention each: the same output as attending every
+    request on its own, and as the backend's own decode of those rows."""
+    from worker_svc.attention.metadata import prepare_extend
+
+    backend = TorchNativeAttentionBackend(decode_impl=impl, cpu_ops=CPU_OPS)
+    batch, layer, q, k, v = _mixed_extend_batch(backend, dtype)
+    backend.prepare(batch)
+    one = batch.attn_metadata.one_token
+    assert one is not None and one.requests == [2, 3, 4] and one.tokens.tolist() == [10, 11, 12]
+    assert one.decode.seq_lens.tolist() == [13, 4, 31] and one.decode.mask is not None
+    grouped = backend.forward(q, k, v, layer, batch)
+    batch.attn_metadata = prepare_extend(batch)  # every request on its own
+    assert batch.attn_metadata.one_token is None
+    per_request = backend.forward(q, k, v, layer, batch)
+    torch.testing.assert_close(grouped.float(), per_request.float(), rtol=0, atol=atol)
+    # Row by row (deterministic inference) nothing is grouped: each token attends as a decode of its own.
+    row_wise = TorchNativeAttentionBackend(decode_impl=impl, cpu_ops=CPU_OPS, row_wise=True)
+    batch.attn_backend = row_wise
+    row_wise.prepare(batch)
+    assert batch.attn_metadata.one_token is None

@@ -19,14 +19,26 @@ class DecodeMetadata:
 
 
 @dataclass
+class OneTokenRows:
+    """The requests of an extend step that add one token to a cached prefix (the decode rows of a mixed
+    step), attended together as one decode instead of one masked attention each."""
+
+    requests: list[int]  # their indices in the step
+    tokens: torch.Tensor  # [n] int64: their rows in the packed new tokens
+    decode: DecodeMetadata  # over them alone
+
+
+@dataclass
 class ExtendMetadata:
     token_offsets: list[int]  # start of each request in the packed new tokens
-    context_slots: list[torch.Tensor | None]  # per request: all cached slots, None when there is no prefix
+    # per request: all cached slots, None when there is no prefix (or the request is in one_token)
+    context_slots: list[torch.Tensor | None]
     masks: list[torch.Tensor | None]  # per request [extend, seq] bool, None for a plain causal prefill
+    one_token: OneTokenRows | None = None  # only when asked for (prepare_extend's group_one_token)
 
 
-def prepare_metadata(batch: ForwardBatch) -> DecodeMetadata | ExtendMetadata:
-    return prepare_decode(batch) if batch.mode is ForwardMode.DECODE else prepare_extend(batch)
+def prepare_metadata(batch: ForwardBatch, group_one_token: bool = False) -> DecodeMetadata | ExtendMetadata:
+    return prepare_decode(batch) if batch.mode is ForwardMode.DECODE else prepare_extend(batch, group_one_token)
 
 
 def prepare_decode(batch: ForwardBatch) -> DecodeMetadata:
@@ -52,22 +64,42 @@ def prepare_decode_fixed(
     return DecodeMetadata(slot_index=slot_index, mask=valid[:, None, None, :], seq_lens=seq_lens)
 
 
-def prepare_extend(batch: ForwardBatch) -> ExtendMetadata:
+def prepare_extend(batch: ForwardBatch, group_one_token: bool = False) -> ExtendMetadata:
+    """``group_one_token``: requests adding one token to a cached prefix go into ``one_token`` (their
+    per-request entries stay None)."""
     offsets: list[int] = []
     slots: list[torch.Tensor | None] = []
     masks: list[torch.Tensor | None] = []
+    one_token: list[int] = []
     offset = 0
     device = batch.input_ids.device
-    for row, prefix, seq in zip(batch.req_rows.tolist(), batch.prefix_lens, batch.seq_lens, strict=True):
+    for i, (row, prefix, seq) in enumerate(zip(batch.req_rows.tolist(), batch.prefix_lens, batch.seq_lens,
+                                               strict=True)):
         offsets.append(offset)
         offset += seq - prefix
-        if prefix == 0:
+        if prefix == 0 or (group_one_token and seq - prefix == 1):
             slots.append(None)
             masks.append(None)
+            if prefix > 0:
+                one_token.append(i)
             continue
         slots.append(batch.req_to_token[row, :seq])
         # Query i (absolute position prefix + i) sees keys 0 .. prefix + i.
         q_pos = torch.arange(prefix, seq, device=device)[:, None]
         k_pos = torch.arange(seq, device=device)[None, :]
         masks.append(k_pos <= q_pos)
-    return ExtendMetadata(token_offsets=offsets, context_slots=slots, masks=masks)
+    return ExtendMetadata(token_offsets=offsets, context_slots=slots, masks=masks,
+                          one_token=_one_token_rows(batch, one_token, offsets) if one_token else None)
+
+
+def _one_token_rows(batch: ForwardBatch, requests: list[int], offsets: list[int]) -> OneTokenRows:
+    lens = [batch.seq_lens[i] for i in requests]
+    max_len = max(lens)
+    rows = batch.req_rows[torch.tensor(requests, device=batch.req_rows.device)]
+    lens_t = torch.tensor(lens, dtype=torch.int64, device=rows.device)
+    mask = None
+    if min(lens) != max_len:
+        mask = (torch.arange(max_len, device=rows.device)[None, :] < lens_t[:, None])[:, None, None, :]
+    decode = DecodeMetadata(slot_index=batch.req_to_token[rows, :max_len], mask=mask, seq_lens=lens_t)
+    tokens = torch.tensor([offsets[i] for i in requests], dtype=torch.int64, device=rows.device)
+    return OneTokenRows(requests=requests, tokens=tokens, decode=decode)

@@ -58,7 +58,9 @@ class TorchNativeAttentionBackend:
                         "row_wise": self._decode_row_wise}[decode_impl]
 
     def prepare(self, batch: ForwardBatch) -> None:
-        batch.attn_metadata = prepare_metadata(batch)
+        # Extend steps attend the requests that add one token to a cached prefix (a mixed step's decode
+        # rows) as one decode: one call per layer instead of one masked attention per request.
+        batch.attn_metadata = prepare_metadata(batch, group_one_token=not self.row_wise)
 
     def prepare_fixed_decode(self, batch: ForwardBatch, seq_lens: torch.Tensor, max_len: int) -> None:
         batch.attn_metadata = prepare_decode_fixed(batch.req_to_token, batch.req_rows, seq_lens, max_len)
@@ -68,14 +70,14 @@ class TorchNativeAttentionBackend:
     ) -> torch.Tensor:
         _mha_pool(batch).store(layer.layer_id, batch.out_slots, k, v)
         if batch.mode is ForwardMode.DECODE:
-            out = self._decode(q, layer, batch)
+            out = self._decode(q, layer, batch, batch.attn_metadata)
         else:
             out = self._extend_row_wise(q, layer, batch) if self.row_wise else self._extend(q, k, v, layer, batch)
         return out.reshape(q.shape[0], layer.num_heads * layer.head_dim)
 
     @staticmethod
-    def _decode_grouped(q: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch) -> torch.Tensor:
-        meta: DecodeMetadata = batch.attn_metadata
+    def _decode_grouped(q: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch,
+                        meta: DecodeMetadata) -> torch.Tensor:
         k_buf, v_buf = _mha_pool(batch).buffers(layer.layer_id)
         bsz, groups = q.shape[0], layer.num_heads // layer.num_kv_heads
         keys = k_buf[meta.slot_index].float()  # [batch, max_len, kv_heads, head_dim]
@@ -88,15 +90,15 @@ class TorchNativeAttentionBackend:
         out = torch.matmul(probs, values.transpose(1, 2))  # [batch, kv_heads, groups, head_dim]
         return out.view(bsz, layer.num_heads, layer.head_dim).to(q.dtype)
 
-    def _decode_avx2(self, q: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch) -> torch.Tensor:
-        meta: DecodeMetadata = batch.attn_metadata
+    def _decode_avx2(self, q: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch,
+                     meta: DecodeMetadata) -> torch.Tensor:
         k_buf, v_buf = _mha_pool(batch).buffers(layer.layer_id)
         return self.cpu_ops.decode_attention(
             q.contiguous(), k_buf, v_buf, meta.slot_index, meta.seq_lens, layer.scaling
         )
 
-    def _decode_row_wise(self, q: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch) -> torch.Tensor:
-        meta: DecodeMetadata = batch.attn_metadata
+    def _decode_row_wise(self, q: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch,
+                         meta: DecodeMetadata) -> torch.Tensor:
         k_buf, v_buf = _mha_pool(batch).buffers(layer.layer_id)
         return self._attend_rows(q, k_buf, v_buf, meta.slot_index, meta.seq_lens, layer)
 
@@ -131,8 +133,7 @@ class TorchNativeAttentionBackend:
         return out
 
     @staticmethod
-    def _decode_sdpa(q: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch) -> torch.Tensor:
-        meta: DecodeMetadata = batch.attn_metadata
+    def _decode_sdpa(q: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch, meta: DecodeMetadata) -> torch.Tensor:
         k_buf, v_buf = _mha_pool(batch).buffers(layer.layer_id)
         keys = k_buf[meta.slot_index].transpose(1, 2)  # [batch, kv_heads, max_len, head_dim]
         values = v_buf[meta.slot_index].transpose(1, 2)
@@ -142,14 +143,21 @@ class TorchNativeAttentionBackend:
         )
         return out.squeeze(2)  # [batch, q_heads, head_dim]
 
-    @staticmethod
     def _extend(
-        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch
     ) -> torch.Tensor:
         meta: ExtendMetadata = batch.attn_metadata
         out = torch.empty_like(q)
         k_buf, v_buf = _mha_pool(batch).buffers(layer.layer_id)
+        grouped: set[int] = set()
+        if meta.one_token is not None:
+            one = meta.one_token
+            grouped = set(one.requests)
+            rows = q.index_select(0, one.tokens)  # [n, q_heads, head_dim]
+            out.index_copy_(0, one.tokens, self._decode(rows, layer, batch, one.decode))
         for i, start in enumerate(meta.token_offsets):
+            if i in grouped:
+                continue
             end = start + batch.seq_lens[i] - batch.prefix_lens[i]
             query = q[start:end].transpose(0, 1)  # [q_heads, extend, head_dim]
             if meta.context_slots[i] is None:
