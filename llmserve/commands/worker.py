@@ -71,6 +71,7 @@ async def _serve(args: argparse.Namespace, security: ServerSecurity) -> int:
     from worker_svc.engine.engine import Engine
     from worker_svc.engine.engine_loop import EngineLoop
     from worker_svc.server.app import WorkerServer
+    from worker_svc.server.loader_thread import run_in_own_thread
 
     _native_heap_policy(args.malloc_mmap_threshold)
     config = engine_config_from_args(args)
@@ -116,7 +117,7 @@ async def _serve(args: argparse.Namespace, security: ServerSecurity) -> int:
                 env={**os.environ, **parent_death.child_env()}, preexec_fn=parent_death.die_with_parent_preexec(),
                 metrics_port=args.metrics_port)
         try:
-            leader = await asyncio.to_thread(functools.partial(
+            leader = await run_in_own_thread(functools.partial(
                 TPLeader.start, config, size, init_addr, args.tp_timeout, args.tp_connect_timeout, children, tp_secret,
                 args.tp_comm, collectives=StepCollectives() if metrics is not None else None,
             ))
@@ -128,7 +129,7 @@ async def _serve(args: argparse.Namespace, security: ServerSecurity) -> int:
         engine = leader.engine
         engine_loop = leader.engine_loop(before_step=before_step, metrics=metrics)
     else:
-        engine = await asyncio.to_thread(Engine, config)
+        engine = await run_in_own_thread(Engine, config)
         engine_loop = EngineLoop(engine, before_step=before_step, metrics=metrics)
     options = worker_options(args)
     server = WorkerServer(engine, host=args.host, port=args.port, options=options, engine_loop=engine_loop,

@@ -31,6 +31,7 @@ from worker_svc.parallel.group import destroy_tp, init_tp, tp_barrier
 from worker_svc.parallel.heartbeat import FollowerHeartbeat
 from worker_svc.server.health import WorkerHealth
 from worker_svc.server.launch import SECRET_KEY
+from worker_svc.server.loader_thread import run_in_own_thread
 
 if TYPE_CHECKING:
     from llmserve.metrics import FollowerMetrics
@@ -85,7 +86,7 @@ async def serve_follower(
         init_tp, rank, size, init_addr, config.device, timeout_s, connect_timeout_s, observer=collectives, comm=comm))
     group_secret: bytes = secret if secret is not None else await asyncio.to_thread(tp.rendezvous.get, SECRET_KEY)
     heartbeat = FollowerHeartbeat(tp, timeout_s, _die, group_secret)
-    runner = await asyncio.to_thread(ModelRunner, rank_config(config, rank), tp)
+    runner = await run_in_own_thread(ModelRunner, rank_config(config, rank), tp)  # see loader_thread.py
     await asyncio.to_thread(heartbeat.connect, connect_timeout_s)
     await asyncio.to_thread(tp_barrier, tp, "loaded", connect_timeout_s)
 
