@@ -36,8 +36,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory-mb", type=int, default=1024,
                    help="KV pool memory budget when --max-total-tokens is not given")
     g.add_argument("--max-running-requests", type=int, default=64)
-    g.add_argument("--chunked-prefill-size", type=int, default=1024)
-    g.add_argument("--max-prefill-tokens", type=int, default=4096)
+    g.add_argument("--chunked-prefill-size", type=int, default=512,
+                   help="longest piece of one prompt prefilled in a step (default 512)")
+    g.add_argument("--max-prefill-tokens", type=int, default=512,
+                   help="new tokens per extend step across all requests (default 512: a burst of prompts is "
+                   "prefilled over several steps, the first ones decoding sooner)")
     g.add_argument("--context-length", type=int, default=None)
     g.add_argument("--json-model-override-args", type=json_object, default={}, metavar="JSON",
                    help='override config.json fields, e.g. \'{"rope_theta": 10000}\'')

@@ -45,6 +45,7 @@ async def run_in_own_thread(fn: Callable[..., _T], *args: Any, name: str = "mode
     thread = threading.Thread(target=run, name=name, daemon=True)
     thread.start()
     result = await done
-    # The thread has returned from fn; let it finish exiting, so its OpenMP team is gone before serving.
-    await asyncio.to_thread(thread.join)
+    # The thread has returned from fn and is exiting: wait for it here (no executor thread for this), so its
+    # OpenMP team is released before serving starts.
+    thread.join()
     return result
