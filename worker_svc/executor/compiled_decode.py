@@ -3,7 +3,7 @@ as vLLM's CPU backend and sglang's ``--enable-torch-compile`` do.
 
 Why: a batch-1 decode step of SmolLM2-135M is ~250 small kernel calls, and run eagerly the Python between
 them (module calls, attribute lookups, argument parsing) costs about as much as the int4 linears
-themselves (docs/engine.md, "Compiled decode"). Inductor traces the decoder (embedding, every layer,
+themselves (docs/engine.md, "Compiled decode on the CPU"). Inductor traces the decoder (embedding, every layer,
 the final norm) into one graph whose wrapper, C++ here (``cpp_wrapper``), calls the kernels back to back,
 and it fuses the small elementwise ops between them (silu * up, the KV store).
 
@@ -18,7 +18,7 @@ Compiled at start on dummy decodes that write only KV slot 0 (the allocator's pa
 row 0, so no request ever waits on a compile: one request (dynamo specializes a dimension of size 1) and
 two requests (the batch dimension symbolic), each at two context lengths, with and without a length
 mask. Inductor caches what it built (``TORCHINDUCTOR_CACHE_DIR``, default /tmp/torchinductor_<user>):
-a later start with the same model and flags compiles in seconds.
+measured on 2 cores, 145 s with an empty cache, 38 s with it warm (dynamo still traces).
 
 Off, with the reason logged (``compile_plan``): not the CPU (CUDA graphs hold the decode there), tensor
 parallelism (each layer's all-reduce is host code between the layers), MoE experts run as a loop (a host
