@@ -31,6 +31,7 @@ def test_sigstopped_worker_streams_end_within_stream_timeout(cluster) -> None:
         async with AsyncRouterClient(router.address, timeout=60) as client:
             await client.wait_ready()
             first_tokens = asyncio.Event()
+            streaming: set[int] = set()
             stopped_at: list[float] = []
 
             async def stream(i: int) -> tuple[str, str, int, float]:
@@ -39,7 +40,11 @@ def test_sigstopped_worker_streams_end_within_stream_timeout(cluster) -> None:
                                                request_id=f"hang-{i}"):
                     tokens += len(d.token_ids)
                     if tokens >= 8:
-                        first_tokens.set()
+                        # Stop once every stream is under way: a request that has sent nothing yet is
+                        # refused UNAVAILABLE (retryable), not aborted mid-stream, which is another test.
+                        streaming.add(i)
+                        if len(streaming) == 4:
+                            first_tokens.set()
                     if d.finish is not None:
                         finish = d.finish
                 return finish.reason, finish.message, tokens, time.monotonic() - stopped_at[0]
