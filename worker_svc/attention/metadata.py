@@ -42,11 +42,17 @@ def prepare_metadata(batch: ForwardBatch, group_one_token: bool = False) -> Deco
 
 
 def prepare_decode(batch: ForwardBatch) -> DecodeMetadata:
-    max_len = max(batch.seq_lens)
-    slot_index = batch.req_to_token[batch.req_rows, :max_len]
-    lens = torch.tensor(batch.seq_lens, dtype=torch.int64, device=slot_index.device)
+    return _padded_decode(batch.req_to_token, batch.req_rows, batch.seq_lens)
+
+
+def _padded_decode(req_to_token: torch.Tensor, req_rows: torch.Tensor, seq_lens: list[int]) -> DecodeMetadata:
+    """One query token per row of ``req_rows`` over its first ``seq_lens`` slots: [rows, max_len] slots, and
+    the length mask only when the lengths differ."""
+    max_len = max(seq_lens)
+    slot_index = req_to_token[req_rows, :max_len]
+    lens = torch.tensor(seq_lens, dtype=torch.int64, device=slot_index.device)
     mask = None
-    if min(batch.seq_lens) != max_len:
+    if min(seq_lens) != max_len:
         valid = torch.arange(max_len, device=slot_index.device)[None, :] < lens[:, None]
         mask = valid[:, None, None, :]
     return DecodeMetadata(slot_index=slot_index, mask=mask, seq_lens=lens)
@@ -93,13 +99,7 @@ def prepare_extend(batch: ForwardBatch, group_one_token: bool = False) -> Extend
 
 
 def _one_token_rows(batch: ForwardBatch, requests: list[int], offsets: list[int]) -> OneTokenRows:
-    lens = [batch.seq_lens[i] for i in requests]
-    max_len = max(lens)
     rows = batch.req_rows[torch.tensor(requests, device=batch.req_rows.device)]
-    lens_t = torch.tensor(lens, dtype=torch.int64, device=rows.device)
-    mask = None
-    if min(lens) != max_len:
-        mask = (torch.arange(max_len, device=rows.device)[None, :] < lens_t[:, None])[:, None, None, :]
-    decode = DecodeMetadata(slot_index=batch.req_to_token[rows, :max_len], mask=mask, seq_lens=lens_t)
+    decode = _padded_decode(batch.req_to_token, rows, [batch.seq_lens[i] for i in requests])
     tokens = torch.tensor([offsets[i] for i in requests], dtype=torch.int64, device=rows.device)
     return OneTokenRows(requests=requests, tokens=tokens, decode=decode)
