@@ -1,7 +1,15 @@
-"""One request's incremental detokenization through the tokenizer service's DetokenizeStream.
+"""One request's incremental detokenization: in the router's own process, or on the tokenizer service.
 
-One call per router request (the tokenizer proto recommends it: an error fails the whole call),
-opened on the first token; each of the request's n sequences is a sequence_id on it. Messages are
+`LocalDetokenizer` (the default, `--detokenize router`): the tokenizer service's tokenizer, fetched
+once (GetTokenizerJson) into a `LocalVocabulary`, runs the same IncrementalDetokenizer the service
+runs, so a generated token costs no round trip to another process. Served through the router, those
+round trips were most of the router's cost per token: two more gRPC messages per token, each
+answered by a process that waits for a core the worker's forward keeps busy.
+
+`StreamDetokenizer` (`--detokenize service`, and the fallback when the tokenizer service predates
+GetTokenizerJson): the tokenizer service's DetokenizeStream. One call per router request (the
+tokenizer proto recommends it: an error fails the whole call), opened on the first token; each of
+the request's n sequences is a sequence_id on it. Messages are
 strictly request/response on the call, and one router request feeds it from a single coroutine, so
 no locking is needed. Each step (write, then read) runs shielded (router/background.py), and a
 request that ends early half-closes the call instead of cancelling it: cancelling a grpc.aio call
@@ -12,10 +20,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from typing import Protocol
 
 import grpc
+from tokenizers import Tokenizer
 
 from llmserve.grpc_server import REQUEST_ID_HEADER
+from llmserve.incremental_detok import IncrementalDetokenizer
 from llmserve.v1 import tokenizer_pb2 as tpb
 from llmserve.v1 import tokenizer_pb2_grpc as tpb_grpc
 from router.background import BackgroundCalls
@@ -23,6 +34,73 @@ from router.background import BackgroundCalls
 
 class DetokenizeError(Exception):
     pass
+
+
+class Detokenizer(Protocol):
+    """One router request's detokenization; each of its n sequences is a `sequence_id`."""
+
+    async def push(self, sequence_id: int, token_ids: list[int], final: bool = False) -> str:
+        """Text that became final with these ids (all remaining text when final)."""
+        ...
+
+    async def close(self) -> None:
+        """The request ended normally."""
+        ...
+
+    def abandon(self) -> None:
+        """The request ended early (cancelled or failed). Synchronous, safe in `finally`."""
+        ...
+
+
+class LocalVocabulary:
+    """The tokenizer service's tokenizer, in this process: decode and the id range check, as the
+    service does them."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, sha256: str = ""):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.sha256 = sha256
+
+    @classmethod
+    def from_response(cls, resp: tpb.GetTokenizerJsonResponse) -> LocalVocabulary:
+        return cls(Tokenizer.from_str(resp.tokenizer_json), resp.vocab_size, resp.sha256)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def check_ids(self, ids: list[int], sequence_id: int) -> None:
+        if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):
+            pos, bad = next((p, i) for p, i in enumerate(ids) if not 0 <= i < self.vocab_size)
+            raise DetokenizeError(f"token_ids (sequence_id {sequence_id}): id {bad} at position {pos} "
+                                  f"is out of range [0, {self.vocab_size})")
+
+
+class LocalDetokenizer:
+    """Detokenizer in the router's process: one IncrementalDetokenizer per open sequence."""
+
+    def __init__(self, vocab: LocalVocabulary, skip_special_tokens: bool):
+        self._vocab = vocab
+        self._skip = skip_special_tokens
+        self._open: dict[int, IncrementalDetokenizer] = {}
+
+    async def push(self, sequence_id: int, token_ids: list[int], final: bool = False) -> str:
+        self._vocab.check_ids(token_ids, sequence_id)
+        det = self._open.get(sequence_id)
+        if det is None:
+            if not token_ids:
+                return ""  # never opened: nothing to flush
+            det = self._open[sequence_id] = IncrementalDetokenizer(self._vocab.decode, self._skip)
+        text = det.push(token_ids)
+        if final:
+            text += det.flush()
+            del self._open[sequence_id]
+        return text
+
+    async def close(self) -> None:
+        self._open.clear()
+
+    def abandon(self) -> None:
+        self._open.clear()
 
 
 class StreamDetokenizer:

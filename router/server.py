@@ -30,6 +30,7 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import grpc
 from google.protobuf import struct_pb2
@@ -58,7 +59,7 @@ from llmserve.v1 import tokenizer_pb2_grpc as tpb_grpc
 from llmserve.worker_protocol import sample_label
 from router.admission import ANONYMOUS, Admission
 from router.background import BackgroundCalls
-from router.detok import DetokenizeError, StreamDetokenizer
+from router.detok import DetokenizeError, Detokenizer, LocalDetokenizer, LocalVocabulary, StreamDetokenizer
 from router.limits import RequestLimits, check_messages, check_sampling_limits, validate_model_name, validate_request_id
 from router.stops import StopStringMatcher
 from router.validation import (
@@ -104,6 +105,9 @@ class RouterOptions:
     # TLS and the internal token on the channels to the tokenizer service and the workers.
     internal_security: ChannelSecurity = ChannelSecurity()
     log_prompts: bool = False  # prompt text in the logs (off: only counts and ids are logged)
+    # Where generated ids become text: in this process with the tokenizer service's tokenizer
+    # (fetched once), or on the tokenizer service (a DetokenizeStream call per request).
+    detokenize: Literal["router", "service"] = "router"
 
 
 # ---- one request ---------------------------------------------------------------------------------
@@ -179,10 +183,7 @@ class _Run:
         self._armed = False
         self.interrupt_reason: str | None = None
         self.seqs = [_Seq(i, StopStringMatcher(plan.stops, plan.include_stop)) for i in range(plan.n)]
-        self.detok = StreamDetokenizer(
-            router.tok_stub, router.background, plan.request_id, plan.skip_special_tokens,
-            timeout=plan.remaining(), close_timeout=router.options.tokenizer_timeout,
-        )
+        self.detok = router.detokenizer(plan)
         self.first_response_at: float | None = None
 
     def _usage(self, s: _Seq) -> pb.Usage:
@@ -438,6 +439,10 @@ class RouterServicer:
         self.tok_stub = tpb_grpc.TokenizerStub(self.tok_channel)
         self.tok_health = health_pb2_grpc.HealthStub(self.tok_channel)
         self.tok_info: tpb.GetInfoResponse | None = None
+        # The tokenizer, here, for --detokenize router; None until fetched or when the service has
+        # no GetTokenizerJson (then detokenization falls back to the service).
+        self.vocab: LocalVocabulary | None = None
+        self._local_detok = options.detokenize == "router"
         self.tok_healthy = False
         self.tok_reason = "not probed yet"
         self.pool = WorkerPool(
@@ -490,6 +495,8 @@ class RouterServicer:
         try:
             if self.tok_info is None:
                 self.tok_info = await self.tok_stub.GetInfo(tpb.GetInfoRequest(), timeout=timeout)
+            if self._local_detok and self.vocab is None:
+                await self._fetch_tokenizer(timeout)
             resp = await self.tok_health.Check(health_pb2.HealthCheckRequest(), timeout=timeout)
             ok, reason = resp.status == _SERVING, health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
         except grpc.aio.AioRpcError as exc:
@@ -502,6 +509,32 @@ class RouterServicer:
             )
         self.tok_healthy, self.tok_reason = ok, reason
         self._update_health()
+
+    async def _fetch_tokenizer(self, timeout: float) -> None:
+        try:
+            resp = await self.tok_stub.GetTokenizerJson(tpb.GetTokenizerJsonRequest(), timeout=timeout)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
+                raise
+            self._local_detok = False
+            log.warning("the tokenizer service has no GetTokenizerJson: detokenizing there, one call per request",
+                        address=self.options.tokenizer)
+            return
+        try:
+            self.vocab = await asyncio.to_thread(LocalVocabulary.from_response, resp)
+        except Exception as exc:  # a tokenizer.json this `tokenizers` cannot read: the service can
+            self._local_detok = False
+            log.error("cannot load the tokenizer service's tokenizer here: detokenizing there", error=str(exc))
+            return
+        log.info("detokenizing in the router", tokenizer_sha256=resp.sha256, vocab_size=resp.vocab_size)
+
+    def detokenizer(self, plan: _Plan) -> Detokenizer:
+        if self.vocab is not None:
+            return LocalDetokenizer(self.vocab, plan.skip_special_tokens)
+        return StreamDetokenizer(
+            self.tok_stub, self.background, plan.request_id, plan.skip_special_tokens,
+            timeout=plan.remaining(), close_timeout=self.options.tokenizer_timeout,
+        )
 
     def facts(self) -> ModelFacts | None:
         info = self.pool.model_info()
@@ -518,6 +551,8 @@ class RouterServicer:
     def ready(self) -> tuple[bool, str]:
         if self.tok_info is None or not self.tok_healthy:
             return False, f"tokenizer service {self.options.tokenizer} not serving ({self.tok_reason})"
+        if self._local_detok and self.vocab is None:
+            return False, f"the tokenizer of {self.options.tokenizer} not fetched yet (--detokenize router)"
         if self.facts() is None:
             return False, "no worker group has answered GetModelInfo yet"
         if not self.pool.num_serving:

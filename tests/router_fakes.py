@@ -103,13 +103,22 @@ class FakeWorker(spb_grpc.SglangSchedulerServicer):
 
 class WatchedTokenizer(TokenizerServicer):
     """The real tokenizer servicer, with Encode slowed by `encode_delay_s`, recording how each Encode
-    and DetokenizeStream call ended: "done" (answered / the client half-closed) or "cancelled"."""
+    and DetokenizeStream call ended: "done" (answered / the client half-closed) or "cancelled", and
+    counting GetTokenizerJson calls."""
 
-    def __init__(self, tok_dir: Path, encode_delay_s: float = 0.0):
+    def __init__(self, tok_dir: Path, encode_delay_s: float = 0.0, export: bool = True):
         super().__init__(ModelTokenizer.from_dir(tok_dir))
         self.encode_delay_s = encode_delay_s
+        self.export = export  # False: GetTokenizerJson is UNIMPLEMENTED, as on a service that predates it
         self.encodes: list[str] = []
         self.streams: list[str] = []
+        self.exports = 0
+
+    async def GetTokenizerJson(self, request, context):  # noqa: N802
+        self.exports += 1
+        if not self.export:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not implemented!")
+        return await super().GetTokenizerJson(request, context)
 
     async def Encode(self, request, context):  # noqa: N802
         try:

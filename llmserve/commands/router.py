@@ -131,6 +131,13 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "group publishes none it hashes the first N prompt tokens instead (default 32)",
     )
     p.add_argument(
+        "--detokenize",
+        choices=("router", "service"),
+        default="router",
+        help="where generated ids become text: here, with the tokenizer service's tokenizer fetched once "
+        "(default), or on the tokenizer service, one DetokenizeStream call per request",
+    )
+    p.add_argument(
         "--served-model-name", default=None, help="model name clients may send (default: what the workers report)"
     )
     p.add_argument(
@@ -196,6 +203,7 @@ def _run(args: argparse.Namespace) -> int:
         stream_timeout=args.stream_timeout,
         log_prompts=args.log_prompts,
         internal_security=internal,
+        detokenize=args.detokenize,
     )
     metrics = RouterMetrics.create(MetricsConfig(args.host, args.metrics_port)) if args.metrics_port else None
     try:

@@ -113,3 +113,17 @@ class GetInfoResponse(_message.Message):
     chat_template: str
     model_max_length: int
     def __init__(self, vocab_size: _Optional[int] = ..., bos_token_id: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token: _Optional[str] = ..., eos_token: _Optional[str] = ..., special_tokens: _Optional[_Iterable[_Union[SpecialToken, _Mapping]]] = ..., has_chat_template: _Optional[bool] = ..., chat_template: _Optional[str] = ..., model_max_length: _Optional[int] = ...) -> None: ...
+
+class GetTokenizerJsonRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetTokenizerJsonResponse(_message.Message):
+    __slots__ = ("tokenizer_json", "sha256", "vocab_size")
+    TOKENIZER_JSON_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    tokenizer_json: str
+    sha256: str
+    vocab_size: int
+    def __init__(self, tokenizer_json: _Optional[str] = ..., sha256: _Optional[str] = ..., vocab_size: _Optional[int] = ...) -> None: ...

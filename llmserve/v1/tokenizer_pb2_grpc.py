@@ -55,6 +55,11 @@ class TokenizerStub:
                 request_serializer=llmserve_dot_v1_dot_tokenizer__pb2.GetInfoRequest.SerializeToString,
                 response_deserializer=llmserve_dot_v1_dot_tokenizer__pb2.GetInfoResponse.FromString,
                 _registered_method=True)
+        self.GetTokenizerJson = channel.unary_unary(
+                '/llmserve.v1.Tokenizer/GetTokenizerJson',
+                request_serializer=llmserve_dot_v1_dot_tokenizer__pb2.GetTokenizerJsonRequest.SerializeToString,
+                response_deserializer=llmserve_dot_v1_dot_tokenizer__pb2.GetTokenizerJsonResponse.FromString,
+                _registered_method=True)
 
 
 class TokenizerServicer:
@@ -96,6 +101,15 @@ class TokenizerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetTokenizerJson(self, request, context):
+        """The tokenizer itself (HF tokenizer.json), for a client that detokenizes in its own process: the
+        router does, so that a generated token costs no round trip here. Decoding with it gives exactly
+        Decode's text.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TokenizerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -118,6 +132,11 @@ def add_TokenizerServicer_to_server(servicer, server):
                     servicer.GetInfo,
                     request_deserializer=llmserve_dot_v1_dot_tokenizer__pb2.GetInfoRequest.FromString,
                     response_serializer=llmserve_dot_v1_dot_tokenizer__pb2.GetInfoResponse.SerializeToString,
+            ),
+            'GetTokenizerJson': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetTokenizerJson,
+                    request_deserializer=llmserve_dot_v1_dot_tokenizer__pb2.GetTokenizerJsonRequest.FromString,
+                    response_serializer=llmserve_dot_v1_dot_tokenizer__pb2.GetTokenizerJsonResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -229,6 +248,33 @@ class Tokenizer:
             '/llmserve.v1.Tokenizer/GetInfo',
             llmserve_dot_v1_dot_tokenizer__pb2.GetInfoRequest.SerializeToString,
             llmserve_dot_v1_dot_tokenizer__pb2.GetInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetTokenizerJson(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmserve.v1.Tokenizer/GetTokenizerJson',
+            llmserve_dot_v1_dot_tokenizer__pb2.GetTokenizerJsonRequest.SerializeToString,
+            llmserve_dot_v1_dot_tokenizer__pb2.GetTokenizerJsonResponse.FromString,
             options,
             channel_credentials,
             insecure,

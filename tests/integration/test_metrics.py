@@ -80,8 +80,9 @@ def test_every_service_reports_known_traffic(model_factory, tmp_path) -> None:
         # ---- the worker's rank 0
         # The router's idle HealthCheck probes run a one-token generation now and then: wait for a
         # scrape between two of them for the gauges.
+        # The call counter moves when the gRPC handler returns, after the engine's histograms: wait for both.
         w = scrape_until(HOST, leader_port, lambda s: s.count("llmserve:e2e_request_latency_seconds") >= 3
-                          and s.value("llmserve:num_requests_running") == 0)
+                          and s.value("llmserve:num_requests_running") == 0 and _calls(s, "Generate", "OK") >= 3)
         assert _calls(w, "Generate", "OK") == 3
         assert _calls(w, "Generate", "INVALID_ARGUMENT") == 1
         assert _calls(w, "GetLoads", "OK") >= 1  # the router's probes
@@ -118,9 +119,10 @@ def test_every_service_reports_known_traffic(model_factory, tmp_path) -> None:
         assert "llmserve:grpc_requests_total" not in f.text  # a follower serves only health: no call metrics
 
         # ---- the tokenizer service
-        t = scrape_until(HOST, tokenizer_port, lambda s: _calls(s, "DetokenizeStream", "OK") >= 3)
+        t = scrape_until(HOST, tokenizer_port, lambda s: _calls(s, "Encode", "OK") >= 3)
         assert _calls(t, "Encode", "OK") == 3  # the invalid request never reached it
-        assert _calls(t, "DetokenizeStream", "OK") == 3  # one stream per generation
+        assert _calls(t, "GetTokenizerJson", "OK") == 1  # the router detokenizes itself, with this
+        assert _calls(t, "DetokenizeStream", "OK") == 0
         assert t.count("llmserve:grpc_request_duration_seconds", method="Encode") == 3
         assert t.sum("llmserve:grpc_request_duration_seconds", method="Encode") > 0
         assert _calls(t, "GetInfo", "OK") >= 1 and _calls(t, "Check", "OK") >= 1  # the router's probes

@@ -24,14 +24,21 @@ def _run(coro_fn: Callable) -> None:
     asyncio.run(asyncio.wait_for(coro_fn(), 60))
 
 
-def test_text_equals_decode_and_stop_string_across_multi_token_chunks(tok_dir: Path, tok: ModelTokenizer) -> None:
+# Both places generated ids become text: in the router (default) and on the tokenizer service.
+DETOKENIZE = pytest.mark.parametrize("detokenize", ["router", "service"])
+
+
+@DETOKENIZE
+def test_text_equals_decode_and_stop_string_across_multi_token_chunks(
+    tok_dir: Path, tok: ModelTokenizer, detokenize: str
+) -> None:
     text = "The quick brown fox jumps over the lazy dog. Then it sleeps."
     ids = _pieces(tok, text)
     chunks = [ids[i:i + 3] for i in range(0, len(ids), 3)]  # several tokens per chunk
 
     async def scenario() -> None:
         worker = FakeWorker([chunks])
-        async with fake_cluster(tok_dir, [worker]) as (client, _):
+        async with fake_cluster(tok_dir, [worker], detokenize=detokenize) as (client, _):
             full = (await client.complete("hi", max_new_tokens=100))[0]
             assert full.text == tok.decode(ids) == text and full.token_ids == ids
             assert full.finish.reason == "length" and full.finish.completion_tokens == len(ids)
@@ -61,13 +68,14 @@ def test_text_equals_decode_and_stop_string_across_multi_token_chunks(tok_dir: P
     _run(scenario)
 
 
-def test_n2_stop_string_aborts_only_that_sample(tok_dir: Path, tok: ModelTokenizer) -> None:
+@DETOKENIZE
+def test_n2_stop_string_aborts_only_that_sample(tok_dir: Path, tok: ModelTokenizer, detokenize: str) -> None:
     a = _pieces(tok, "one two three four five six seven")
     b = _pieces(tok, "alpha beta gamma delta epsilon")
 
     async def scenario() -> None:
         worker = FakeWorker([[[t] for t in a], [[t] for t in b]])
-        async with fake_cluster(tok_dir, [worker]) as (client, _):
+        async with fake_cluster(tok_dir, [worker], detokenize=detokenize) as (client, _):
             out = await client.complete("hi", n=2, stop=["three"], request_id="nreq", max_new_tokens=50)
             assert out[0].text == "one two " and out[0].finish.stop_str == "three"
             assert out[1].text == "alpha beta gamma delta epsilon" and out[1].finish.reason == "length"
@@ -164,7 +172,7 @@ def test_a_cancelled_request_lets_its_tokenizer_calls_finish(tok_dir: Path, tok:
     async def scenario() -> None:
         worker = FakeWorker([[[t] for t in ids]], step_s=0.05)
         watched = WatchedTokenizer(tok_dir, encode_delay_s=0.3)
-        async with fake_cluster(tok_dir, [worker], tokenizer_servicer=watched) as (client, _):
+        async with fake_cluster(tok_dir, [worker], tokenizer_servicer=watched, detokenize="service") as (client, _):
             # Cancelled while its Encode is in flight: the Encode still completes, and the request
             # goes no further (no worker call).
             task = asyncio.ensure_future(client.complete("hi", max_new_tokens=50))
@@ -186,5 +194,30 @@ def test_a_cancelled_request_lets_its_tokenizer_calls_finish(tok_dir: Path, tok:
             await stream.aclose()  # type: ignore[attr-defined]
             await _until(lambda: watched.streams)
             assert watched.streams == ["done"]
+
+    _run(scenario)
+
+
+@pytest.mark.parametrize("export", [True, False])
+def test_the_router_detokenizes_itself_unless_the_service_cannot_export(
+    tok_dir: Path, tok: ModelTokenizer, export: bool
+) -> None:
+    """--detokenize router (the default): the tokenizer is fetched once and no token costs a
+    DetokenizeStream round trip; a tokenizer service without GetTokenizerJson is still served, through
+    its DetokenizeStream, with the same text."""
+    ids = _pieces(tok, "Grüße, 世界! one two three")
+
+    async def scenario() -> None:
+        worker = FakeWorker([[[t] for t in ids]])
+        watched = WatchedTokenizer(tok_dir, export=export)
+        async with fake_cluster(tok_dir, [worker], tokenizer_servicer=watched) as (client, router):
+            for _ in range(2):
+                out = (await client.complete("hi", max_new_tokens=50))[0]
+                assert out.text == tok.decode(ids)
+            assert watched.exports == 1  # fetched once (or refused once), not per request
+            assert (router.servicer.vocab is not None) == export
+            await _until(lambda: len(watched.streams) == (0 if export else 2))
+            await asyncio.sleep(0.1)
+            assert watched.streams == ([] if export else ["done", "done"])
 
     _run(scenario)

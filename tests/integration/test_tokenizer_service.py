@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
 import signal
@@ -126,6 +127,21 @@ def test_decode(stub: pb_grpc.TokenizerStub, tok: ModelTokenizer) -> None:
     assert stub.Decode(pb.DecodeRequest(token_ids=ids), timeout=TIMEOUT).text == "<|begin_of_text|>naïve café"
     reply = stub.Decode(pb.DecodeRequest(token_ids=ids, skip_special_tokens=True), timeout=TIMEOUT)
     assert reply.text == "naïve café"
+
+
+def test_get_tokenizer_json_decodes_as_the_service(stub: pb_grpc.TokenizerStub, tok: ModelTokenizer) -> None:
+    """What a router detokenizing in its own process loads: the same tokenizer, hash and range."""
+    from tokenizers import Tokenizer
+
+    resp = stub.GetTokenizerJson(pb.GetTokenizerJsonRequest(), timeout=TIMEOUT)
+    assert resp.sha256 == hashlib.sha256(resp.tokenizer_json.encode()).hexdigest()
+    assert resp.vocab_size == tok.vocab_size
+    assert stub.GetTokenizerJson(pb.GetTokenizerJsonRequest(), timeout=TIMEOUT) == resp  # stable
+    local = Tokenizer.from_str(resp.tokenizer_json)
+    ids = tok.encode("Grüße, 世界! 👍🏽") + [next(iter(tok.special_tokens))]
+    for skip in (False, True):
+        served = stub.Decode(pb.DecodeRequest(token_ids=ids, skip_special_tokens=skip), timeout=TIMEOUT).text
+        assert local.decode(ids, skip_special_tokens=skip) == served
 
 
 def test_detokenize_stream_interleaved_sequences(stub: pb_grpc.TokenizerStub, tok: ModelTokenizer) -> None:

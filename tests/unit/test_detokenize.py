@@ -22,7 +22,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from tokenizer_svc.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer, detokenize_all
+from llmserve.incremental_detok import REPLACEMENT_CHAR, IncrementalDetokenizer, detokenize_all
 from tokenizer_svc.tokenizer import ModelTokenizer
 
 SETTINGS = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -44,7 +44,8 @@ def test_generated_modules_import_and_expose_the_apis() -> None:
         "Generate", "Chat", "Tokenize", "Detokenize", "GetModelInfo", "ListWorkers"]
     assert router.methods_by_name["Generate"].output_type.name == "GenerateResponse"
     tokenizer = tokenizer_pb2.DESCRIPTOR.services_by_name["Tokenizer"]
-    assert [m.name for m in tokenizer.methods] == ["Encode", "Decode", "DetokenizeStream", "GetInfo"]
+    assert [m.name for m in tokenizer.methods] == [
+        "Encode", "Decode", "DetokenizeStream", "GetInfo", "GetTokenizerJson"]
     assert hasattr(router_pb2_grpc, "RouterStub") and hasattr(tokenizer_pb2_grpc, "TokenizerServicer")
     # The router reuses the tokenizer's chat types (a cross-file import in the generated code).
     chat = router_pb2.ChatRequest(messages=[tokenizer_pb2.ChatMessage(role="user", content="hi")])
