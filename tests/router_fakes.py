@@ -113,6 +113,7 @@ class WatchedTokenizer(TokenizerServicer):
         self.encodes: list[str] = []
         self.streams: list[str] = []
         self.exports = 0
+        self.server: grpc.aio.Server | None = None
 
     async def GetTokenizerJson(self, request, context):  # noqa: N802
         self.exports += 1
@@ -148,6 +149,8 @@ async def _start_watched_tokenizer(servicer: TokenizerServicer) -> tuple[grpc.ai
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     await health.set_serving(True)
+    if isinstance(servicer, WatchedTokenizer):
+        servicer.server = server  # a test may stop the service mid-stream
     return server, port
 
 

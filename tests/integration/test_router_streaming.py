@@ -221,3 +221,25 @@ def test_the_router_detokenizes_itself_unless_the_service_cannot_export(
             assert watched.streams == ([] if export else ["done", "done"])
 
     _run(scenario)
+
+
+def test_streams_in_flight_outlive_the_tokenizer_service(tok_dir: Path, tok: ModelTokenizer) -> None:
+    """Detokenizing in the router, a stream needs the tokenizer service only for its Encode: the
+    service going away mid-stream no longer ends every stream in flight with "abort"."""
+    ids = _pieces(tok, "one two three four five six seven eight nine ten")
+
+    async def scenario() -> None:
+        worker = FakeWorker([[[t] for t in ids]], step_s=0.05)
+        watched = WatchedTokenizer(tok_dir)
+        async with fake_cluster(tok_dir, [worker], tokenizer_servicer=watched) as (client, _):
+            stream = client.generate("hi", max_new_tokens=50)
+            deltas = []
+            async for delta in stream:
+                deltas.append(delta)
+                if len(deltas) == 2:
+                    assert watched.server is not None
+                    await watched.server.stop(0)
+            assert "".join(d.text for d in deltas) == tok.decode(ids)
+            assert deltas[-1].finish.reason == "length"
+
+    _run(scenario)
