@@ -7,6 +7,7 @@
 # compared, the run-to-run spread cancels.
 #
 #   benchmarks/router_overhead.sh MODEL [CONCURRENCY ...]   (default 16 64)
+# ROUTER_FLAGS: extra router flags (e.g. "--detokenize service").
 set -euo pipefail
 model=$(realpath "${1:?usage: benchmarks/router_overhead.sh MODEL [CONCURRENCY ...]}"); shift
 levels=(16 64); [ $# -gt 0 ] && levels=("$@")
@@ -21,7 +22,7 @@ trap 'kill "${pids[@]}" 2>/dev/null || true; wait 2>/dev/null || true' EXIT
     --max-running-requests 64 --disable-radix-cache > "$out/worker.log" 2>&1 & pids+=("$!")
 "$py" -m llmserve.cli tokenizer --model "$model" --port "$t" > "$out/tokenizer.log" 2>&1 & pids+=("$!")
 "$py" -m llmserve.cli router --tokenizer "127.0.0.1:$t" --workers "127.0.0.1:$w" --port "$r" --metrics-port "$rm" \
-    --max-concurrent-requests 256 > "$out/router.log" 2>&1 & pids+=("$!")
+    --max-concurrent-requests 256 ${ROUTER_FLAGS:-} > "$out/router.log" 2>&1 & pids+=("$!")
 scrape() {  # scrape PORT -> "ttft_sum ttft_count e2e_sum e2e_count"
     curl -s "127.0.0.1:$1/metrics" | "$py" -c '
 import sys

@@ -10,7 +10,8 @@
 #   benchmarks/serving_peers.sh MODEL VLLM_PYTHON [OUT]
 #
 # PARTS (default "vllm ours direct") runs only the parts named: vLLM's server, ours behind smg, router vs worker.
-# OURS_FLAGS: extra worker flags for part 2 (e.g. "--enable-torch-compile").
+# OURS_FLAGS: extra worker flags for part 2 (e.g. "--enable-torch-compile"). ROUNDS: rounds of part 3 (default 2).
+# ROUTER_FLAGS: extra router flags for part 3 (e.g. "--detokenize service").
 set -euo pipefail
 parts=" ${PARTS:-vllm ours direct} "
 model=$(realpath "${1:?usage: benchmarks/serving_peers.sh MODEL VLLM_PYTHON [OUT]}")
@@ -83,10 +84,10 @@ pids+=("$!")
 "$py" -m llmserve.cli tokenizer --model "$model" --port "$tport" > "$out/tokenizer.log" 2>&1 &
 pids+=("$!")
 "$py" -m llmserve.cli router --tokenizer "127.0.0.1:$tport" --workers "127.0.0.1:$wport" --port "$rport" \
-    --max-concurrent-requests 256 > "$out/router.log" 2>&1 &
+    --max-concurrent-requests 256 ${ROUTER_FLAGS:-} > "$out/router.log" 2>&1 &
 pids+=("$!")
 for c in 16 64; do
-    for round in 1 2; do
+    for round in $(seq "${ROUNDS:-2}"); do
         for target in router worker; do
             addr=127.0.0.1:$rport; [ "$target" = worker ] && addr=127.0.0.1:$wport
             name=ours_${target}_c${c}_r$round
