@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Sequence
 from typing import Protocol
 
 import grpc
@@ -65,14 +66,15 @@ class LocalVocabulary:
     def from_response(cls, resp: tpb.GetTokenizerJsonResponse) -> LocalVocabulary:
         return cls(Tokenizer.from_str(resp.tokenizer_json), resp.vocab_size, resp.sha256)
 
-    def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def check_ids(self, ids: list[int], sequence_id: int) -> None:
-        if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):
-            pos, bad = next((p, i) for p, i in enumerate(ids) if not 0 <= i < self.vocab_size)
-            raise DetokenizeError(f"token_ids (sequence_id {sequence_id}): id {bad} at position {pos} "
-                                  f"is out of range [0, {self.vocab_size})")
+    def out_of_range(self, ids: Sequence[int]) -> str | None:
+        """What is wrong with `ids` (the first id outside [0, vocab_size)), or None."""
+        if not ids or (min(ids) >= 0 and max(ids) < self.vocab_size):  # C-speed common case
+            return None
+        pos, bad = next((p, i) for p, i in enumerate(ids) if not 0 <= i < self.vocab_size)
+        return f"id {bad} at position {pos} is out of range [0, {self.vocab_size})"
 
 
 class LocalDetokenizer:
@@ -84,7 +86,9 @@ class LocalDetokenizer:
         self._open: dict[int, IncrementalDetokenizer] = {}
 
     async def push(self, sequence_id: int, token_ids: list[int], final: bool = False) -> str:
-        self._vocab.check_ids(token_ids, sequence_id)
+        problem = self._vocab.out_of_range(token_ids)
+        if problem is not None:
+            raise DetokenizeError(f"token_ids (sequence_id {sequence_id}): {problem}")
         det = self._open.get(sequence_id)
         if det is None:
             if not token_ids:

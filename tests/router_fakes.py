@@ -104,7 +104,7 @@ class FakeWorker(spb_grpc.SglangSchedulerServicer):
 class WatchedTokenizer(TokenizerServicer):
     """The real tokenizer servicer, with Encode slowed by `encode_delay_s`, recording how each Encode
     and DetokenizeStream call ended: "done" (answered / the client half-closed) or "cancelled", and
-    counting GetTokenizerJson calls."""
+    counting Decode and GetTokenizerJson calls."""
 
     def __init__(self, tok_dir: Path, encode_delay_s: float = 0.0, export: bool = True):
         super().__init__(ModelTokenizer.from_dir(tok_dir))
@@ -113,7 +113,12 @@ class WatchedTokenizer(TokenizerServicer):
         self.encodes: list[str] = []
         self.streams: list[str] = []
         self.exports = 0
+        self.decodes = 0
         self.server: grpc.aio.Server | None = None
+
+    async def Decode(self, request, context):  # noqa: N802
+        self.decodes += 1
+        return await super().Decode(request, context)
 
     async def GetTokenizerJson(self, request, context):  # noqa: N802
         self.exports += 1

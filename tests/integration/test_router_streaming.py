@@ -243,3 +243,41 @@ def test_streams_in_flight_outlive_the_tokenizer_service(tok_dir: Path, tok: Mod
             assert deltas[-1].finish.reason == "length"
 
     _run(scenario)
+
+
+class _WideVocabWorker(FakeWorker):
+    """A model whose vocabulary is wider than its tokenizer's (padded embeddings, as many are)."""
+
+    async def GetModelInfo(self, request, context):  # noqa: N802
+        info = await super().GetModelInfo(request, context)
+        info.vocab_size = 4096
+        return info
+
+
+@DETOKENIZE
+def test_unary_detokenize_in_either_place(tok_dir: Path, tok: ModelTokenizer, detokenize: str) -> None:
+    """Router.Detokenize decodes in the router when it holds the tokenizer, with the service's text and
+    the service's range check (an id the model has but the tokenizer lacks is INVALID_ARGUMENT on
+    token_ids), a long input included."""
+    from llmserve.v1 import router_pb2 as pb
+
+    ids = _pieces(tok, "Grüße, 世界! one two three")
+    long_ids = ids * (5000 // len(ids) + 1)  # past the router's inline-decode bound
+
+    async def scenario() -> None:
+        watched = WatchedTokenizer(tok_dir)
+        async with fake_cluster(tok_dir, [_WideVocabWorker([[ids]])], tokenizer_servicer=watched,
+                                detokenize=detokenize) as (client, _):
+            for some in (ids, long_ids):
+                for skip in (False, True):
+                    resp = await client.stub.Detokenize(
+                        pb.DetokenizeRequest(token_ids=some, skip_special_tokens=skip), timeout=10)
+                    assert resp.text == tok.decode(some, skip)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await client.stub.Detokenize(pb.DetokenizeRequest(token_ids=[ids[0], tok.vocab_size]), timeout=10)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert err.value.details().startswith("token_ids: ")
+            assert f"id {tok.vocab_size} at position 1" in err.value.details()
+            assert watched.decodes == (0 if detokenize == "router" else 5)
+
+    _run(scenario)
