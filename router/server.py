@@ -495,9 +495,14 @@ class RouterServicer:
     async def probe_tokenizer(self) -> None:
         timeout = self.options.probe_timeout
         try:
-            if self.tok_info is None:
-                self.tok_info = await self.tok_stub.GetInfo(tpb.GetInfoRequest(), timeout=timeout)
-            if self._local_detok and self.vocab is None:
+            # Back after being down or not serving: it may be another deployment, so read it again.
+            reconnect = not self.tok_healthy and self.tok_info is not None
+            if self.tok_info is None or reconnect:
+                info = await self.tok_stub.GetInfo(tpb.GetInfoRequest(), timeout=timeout)
+                if self.tok_info is not None and info != self.tok_info:
+                    log.warning("the tokenizer service is back with other facts", vocab_size=info.vocab_size)
+                self.tok_info = info
+            if self._local_detok and (self.vocab is None or reconnect):
                 await self._fetch_tokenizer(timeout)
             resp = await self.tok_health.Check(health_pb2.HealthCheckRequest(), timeout=timeout)
             ok, reason = resp.status == _SERVING, health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
@@ -518,16 +523,21 @@ class RouterServicer:
         except grpc.aio.AioRpcError as exc:
             if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
                 raise
-            self._local_detok = False
+            self._local_detok, self.vocab = False, None
             log.warning("the tokenizer service has no GetTokenizerJson: detokenizing there, one call per request",
                         address=self.options.tokenizer)
             return
+        if self.vocab is not None and resp.sha256 == self.vocab.sha256:
+            return  # the same tokenizer
         try:
-            self.vocab = await asyncio.to_thread(LocalVocabulary.from_response, resp)
+            vocab = await asyncio.to_thread(LocalVocabulary.from_response, resp)
         except Exception as exc:  # a tokenizer.json this `tokenizers` cannot read: the service can
-            self._local_detok = False
+            self._local_detok, self.vocab = False, None
             log.error("cannot load the tokenizer service's tokenizer here: detokenizing there", error=str(exc))
             return
+        if self.vocab is not None:  # requests under way keep the one they started with
+            log.warning("the tokenizer service is back with another tokenizer", tokenizer_sha256=resp.sha256)
+        self.vocab = vocab
         log.info("detokenizing in the router", tokenizer_sha256=resp.sha256, vocab_size=resp.vocab_size)
 
     def detokenizer(self, plan: _Plan) -> Detokenizer:

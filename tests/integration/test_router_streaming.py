@@ -281,3 +281,48 @@ def test_unary_detokenize_in_either_place(tok_dir: Path, tok: ModelTokenizer, de
             assert watched.decodes == (0 if detokenize == "router" else 5)
 
     _run(scenario)
+
+
+def test_a_tokenizer_service_back_with_another_tokenizer_is_read_again(
+    tok_dir: Path, tok: ModelTokenizer, model_factory
+) -> None:
+    """The router holds the tokenizer service's tokenizer: when the service comes back after being
+    down, the router reads it again (GetInfo and GetTokenizerJson) and detokenizes with the new one."""
+    other_dir = model_factory("small")
+    other = ModelTokenizer.from_dir(other_dir)
+    # Ids both vocabularies have, that they decode differently (merges learned on different text).
+    ids = [i for i in range(tok.vocab_size) if tok.decode([i]) != other.decode([i])][:8]
+    assert len(ids) == 8
+
+    async def scenario() -> None:
+        first = WatchedTokenizer(tok_dir)
+        async with fake_cluster(tok_dir, [FakeWorker([[ids]])], tokenizer_servicer=first) as (client, router):
+            assert (await client.complete("hi", max_new_tokens=50))[0].text == tok.decode(ids)
+            old_sha = router.servicer.vocab.sha256
+            port = int(router.servicer.options.tokenizer.rpartition(":")[2])
+            assert first.server is not None
+            await first.server.stop(0)
+            await _until(lambda: not router.servicer.tok_healthy)
+            second = WatchedTokenizer(other_dir)
+            server = grpc.aio.server()
+            from grpc_health.v1 import health_pb2_grpc
+
+            from llmserve.grpc_server import ServiceHealth
+            from llmserve.v1 import tokenizer_pb2_grpc as tpb_grpc
+            from tokenizer_svc.server import SERVICE_NAME
+
+            tpb_grpc.add_TokenizerServicer_to_server(second, server)
+            health = ServiceHealth(SERVICE_NAME)
+            health_pb2_grpc.add_HealthServicer_to_server(health, server)
+            assert server.add_insecure_port(f"127.0.0.1:{port}") == port
+            await server.start()
+            await health.set_serving(True)
+            try:
+                await _until(lambda: router.servicer.vocab is not None and router.servicer.vocab.sha256 != old_sha)
+                assert second.exports == 1
+                assert router.servicer.tok_info.vocab_size == other.vocab_size
+                assert (await client.complete("hi", max_new_tokens=50))[0].text == other.decode(ids)
+            finally:
+                await server.stop(0)
+
+    _run(scenario)
