@@ -28,6 +28,7 @@ from tokenizers import Tokenizer
 
 from llmserve.grpc_server import REQUEST_ID_HEADER
 from llmserve.incremental_detok import IncrementalDetokenizer
+from llmserve.token_ids import first_out_of_range
 from llmserve.v1 import tokenizer_pb2 as tpb
 from llmserve.v1 import tokenizer_pb2_grpc as tpb_grpc
 from router.background import BackgroundCalls
@@ -71,9 +72,10 @@ class LocalVocabulary:
 
     def out_of_range(self, ids: Sequence[int]) -> str | None:
         """What is wrong with `ids` (the first id outside [0, vocab_size)), or None."""
-        if not ids or (min(ids) >= 0 and max(ids) < self.vocab_size):  # C-speed common case
+        found = first_out_of_range(ids, self.vocab_size)
+        if found is None:
             return None
-        pos, bad = next((p, i) for p, i in enumerate(ids) if not 0 <= i < self.vocab_size)
+        pos, bad = found
         return f"id {bad} at position {pos} is out of range [0, {self.vocab_size})"
 
 

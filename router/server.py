@@ -893,7 +893,7 @@ class RouterServicer:
     async def _decode_here(self, request: pb.DetokenizeRequest) -> str:
         vocab = self.vocab
         assert vocab is not None
-        ids = list(request.token_ids)
+        ids = request.token_ids
         problem = vocab.out_of_range(ids)
         if problem is not None:
             raise invalid("token_ids", problem)

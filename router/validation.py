@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from llmserve.token_ids import first_out_of_range
 from llmserve.v1 import router_pb2 as pb
 from llmserve.worker_protocol import MAX_ABS_PENALTY, MAX_TOP_LOGPROBS
 
@@ -102,9 +103,10 @@ def echo(text: str, limit: int = 64) -> str:
 
 
 def validate_token_ids(ids: Sequence[int], facts: ModelFacts, field: str) -> None:
-    if not ids or max(ids) < facts.vocab_size:
+    found = first_out_of_range(ids, facts.vocab_size)
+    if found is None:
         return
-    pos, bad = next((i, t) for i, t in enumerate(ids) if t >= facts.vocab_size)
+    pos, bad = found
     raise invalid(field, f"id {bad} at position {pos} is outside the vocabulary [0, {facts.vocab_size})")
 
 

@@ -21,6 +21,8 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
+from llmserve.token_ids import first_out_of_range
+
 
 class TokenizerInputError(ValueError):
     """Bad input (a token id out of range, an empty conversation, a template that raised).
@@ -141,9 +143,10 @@ class ModelTokenizer:
 
     def check_ids(self, ids: Sequence[int], field: str = "token_ids") -> None:
         """Raise TokenizerInputError naming `field` and the first id outside [0, vocab_size)."""
-        if not ids or (min(ids) >= 0 and max(ids) < self.vocab_size):  # C-speed common case
+        found = first_out_of_range(ids, self.vocab_size)
+        if found is None:
             return
-        pos, bad = next((p, i) for p, i in enumerate(ids) if not 0 <= i < self.vocab_size)
+        pos, bad = found
         raise TokenizerInputError(field, f"id {bad} at position {pos} is out of range [0, {self.vocab_size})")
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
