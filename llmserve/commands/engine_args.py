@@ -83,6 +83,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--torch-compile-max-bs", type=int, default=32, metavar="N",
                    help="--enable-torch-compile: decode steps of up to N requests run compiled (default 32); "
                    "larger ones and prefill run eagerly")
+    g.add_argument("--disable-fused-decode", action="store_true",
+                   help="CPU: run decode steps layer by layer from Python instead of one C++ call over the "
+                   "layers (same kernels, same logits; for A/B runs)")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -112,6 +115,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         cuda_graph_max_bs=getattr(args, "cuda_graph_max_bs", None),
         enable_torch_compile=getattr(args, "enable_torch_compile", False),
         torch_compile_max_bs=getattr(args, "torch_compile_max_bs", 32),
+        disable_fused_decode=getattr(args, "disable_fused_decode", False),
     )
 
 

@@ -89,6 +89,11 @@ class EngineConfig:
     enable_torch_compile: bool = False
     torch_compile_max_bs: int = 32
 
+    # Fused decode on the CPU (executor/fused_decode.py): a Llama decode step's layers run in one C++ call
+    # over the weights bound at load, with the same kernels in the same order (same logits), instead of
+    # ~10 Python module calls per layer. On where the model and its kernels allow it.
+    disable_fused_decode: bool = False
+
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype {self.dtype!r} is not supported; choose one of {', '.join(DTYPES)}")

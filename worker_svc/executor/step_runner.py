@@ -53,6 +53,11 @@ class StepRunner(Protocol):
     def torch_compile(self) -> str:
         """"on" where decode steps run compiled (executor/compiled_decode.py), else "off: <why>"."""
 
+    @property
+    def fused_decode_state(self) -> str:
+        """"on" where decode steps run as one C++ call over the layers (executor/fused_decode.py), else
+        "off: <why>"."""
+
     def forward(self, step: StepInput) -> torch.Tensor:
         """Run one step; float32 logits [batch, vocab] at each request's final token, or
         [tokens, vocab] at every new token when ``step.all_logits``."""

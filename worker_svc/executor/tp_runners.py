@@ -119,6 +119,10 @@ class LeaderRunner:
     def torch_compile(self) -> str:
         return self.runner.torch_compile
 
+    @property
+    def fused_decode_state(self) -> str:
+        return self.runner.fused_decode_state
+
     def _guarded(self, fn: Callable[[], _T]) -> _T:
         """Any failure here leaves the ranks out of step (a peer is gone, or waits in a collective this
         rank will never join), so it breaks the group for good: TPGroupFailed, now and on every call."""

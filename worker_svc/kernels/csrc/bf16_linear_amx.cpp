@@ -23,6 +23,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include "ops.h"
 
 namespace {
 
@@ -108,6 +109,14 @@ at::Tensor bf16_linear_packed_amx(const at::Tensor& x, const at::Tensor& packed,
 bool bf16_linear_amx_available() { return cpu_has_amx_bf16(); }
 
 }  // namespace
+
+// For C++ callers in this library (ops.h).
+namespace llmserve::ops {
+at::Tensor bf16_linear_packed_amx(const at::Tensor& x, const at::Tensor& packed, int64_t n,
+                                  const c10::optional<at::Tensor>& bias) {
+  return ::bf16_linear_packed_amx(x, packed, n, bias);
+}
+}  // namespace llmserve::ops
 
 TORCH_LIBRARY_FRAGMENT(llmserve_cpu, m) {
   m.def("bf16_linear_amx_available() -> bool", &bf16_linear_amx_available);

@@ -23,6 +23,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include "ops.h"
 
 namespace {
 
@@ -134,6 +135,14 @@ at::Tensor bf16_linear_packed(const at::Tensor& x, const at::Tensor& packed, int
 bool bf16_linear_available() { return cpu_has_avx512_bf16(); }
 
 }  // namespace
+
+// For C++ callers in this library (ops.h).
+namespace llmserve::ops {
+at::Tensor bf16_linear_packed(const at::Tensor& x, const at::Tensor& packed, int64_t n,
+                              const c10::optional<at::Tensor>& bias) {
+  return ::bf16_linear_packed(x, packed, n, bias);
+}
+}  // namespace llmserve::ops
 
 TORCH_LIBRARY_FRAGMENT(llmserve_cpu, m) {
   m.def("bf16_linear_available() -> bool", &bf16_linear_available);

@@ -24,6 +24,7 @@
 #include <cstdint>
 #include <limits>
 #include <vector>
+#include "ops.h"
 
 namespace {
 
@@ -337,6 +338,14 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const
 bool decode_attention_avx512_available() { return cpu_has_avx512(); }
 
 }  // namespace
+
+// For C++ callers in this library (ops.h).
+namespace llmserve::ops {
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                            const at::Tensor& slots, const at::Tensor& seq_lens, double scaling, int64_t isa) {
+  return ::decode_attention(q, k_pool, v_pool, slots, seq_lens, scaling, isa);
+}
+}  // namespace llmserve::ops
 
 TORCH_LIBRARY_FRAGMENT(llmserve_cpu, m) {
   m.def("decode_attention_avx512_available() -> bool", &decode_attention_avx512_available);

@@ -50,6 +50,7 @@
 #include <cstring>
 #include <limits>
 #include <vector>
+#include "ops.h"
 
 namespace {
 
@@ -865,6 +866,18 @@ int64_t int4_amx_min_rows() { return kI4AmxMinRows; }
 int64_t int8_amx_min_rows() { return kI8AmxMinRows; }
 
 }  // namespace
+
+// For C++ callers in this library (ops.h).
+namespace llmserve::ops {
+at::Tensor int4_weight_linear_avx512(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t group,
+                                     at::ScalarType scale_dtype, const c10::optional<at::Tensor>& bias, int64_t mode) {
+  return ::int4_weight_linear_avx512(x, packed, n, group, scale_dtype, bias, mode);
+}
+at::Tensor int8_weight_linear_avx512(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale, int64_t n,
+                                     const c10::optional<at::Tensor>& bias, int64_t mode) {
+  return ::int8_weight_linear_avx512(x, packed, scale, n, bias, mode);
+}
+}  // namespace llmserve::ops
 
 TORCH_LIBRARY_FRAGMENT(llmserve_cpu, m) {
   m.def("quant_avx512_available() -> bool", &quant_avx512_available);

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "common.h"
+#include "ops.h"
 
 namespace {
 
@@ -108,6 +109,15 @@ std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm(const at::Tensor& x, const
 }
 
 }  // namespace
+
+// For C++ callers in this library (ops.h).
+namespace llmserve::ops {
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) { return ::rms_norm(x, weight, eps); }
+std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                                      const at::Tensor& weight, double eps) {
+  return ::fused_add_rms_norm(x, residual, weight, eps);
+}
+}  // namespace llmserve::ops
 
 TORCH_LIBRARY_FRAGMENT(llmserve_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");

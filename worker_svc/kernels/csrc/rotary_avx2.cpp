@@ -14,6 +14,7 @@
 #include <immintrin.h>
 
 #include <tuple>
+#include "ops.h"
 
 namespace {
 
@@ -107,6 +108,14 @@ std::tuple<at::Tensor, at::Tensor> rotary_rotate_half(const at::Tensor& q, const
 }
 
 }  // namespace
+
+// For C++ callers in this library (ops.h).
+namespace llmserve::ops {
+std::tuple<at::Tensor, at::Tensor> rotary_rotate_half(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
+                                                      const at::Tensor& sin) {
+  return ::rotary_rotate_half(q, k, cos, sin);
+}
+}  // namespace llmserve::ops
 
 TORCH_LIBRARY_FRAGMENT(llmserve_cpu, m) {
   m.def("rotary_rotate_half(Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor, Tensor)");

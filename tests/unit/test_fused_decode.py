@@ -1,0 +1,151 @@
+"""Fused decode (worker_svc/executor/fused_decode.py, kernels/csrc/decode_layers.cpp): where it is on and why
+not elsewhere; a fused runner gives the layer-by-layer runner's logits bit for bit over decode steps with
+requests joining and finishing (bf16, int4 and int8 weight-only), and leaves the same KV in the pool;
+DecodeLayers refuses a layer whose shapes disagree with the model; the flag reaches the EngineConfig."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.ranks import gloo_groups
+from tests.unit.oracle import encode_prompts
+from tests.unit.test_cuda_graph_runner import Requests
+from worker_svc.config.engine_config import EngineConfig
+from worker_svc.executor.fused_decode import fused_decode_plan
+from worker_svc.executor.model_runner import ModelRunner
+from worker_svc.kernels import cpu_ext
+from worker_svc.parallel.context import TPContext
+
+CPU_OPS = cpu_ext.load()
+CPU = torch.device("cpu")
+needs_kernels = pytest.mark.skipif(CPU_OPS is None, reason="this project's C++ kernels are unavailable (not x86-64 "
+                                   "with AVX2, or no compiler): fused decode runs them")
+
+
+def _engine_config(model_dir: Path, **overrides) -> EngineConfig:
+    return EngineConfig(model_path=str(model_dir), dtype="bfloat16", max_total_tokens=2048, max_running_requests=12,
+                        **overrides)
+
+
+def _packed_kernels_here() -> str | None:
+    """Why this host's bf16 linears are not on a packed kernel fused decode runs (None: they are)."""
+    if CPU_OPS is None:
+        return "no C++ kernels"
+    if not CPU_OPS.bf16_linear_available():
+        return "no AVX512-BF16: bf16 linears run FBGEMM or aten, which fused decode does not call"
+    return None
+
+
+@needs_kernels
+def test_fused_decode_plan(model_factory) -> None:
+    off_here = _packed_kernels_here()
+    llama = ModelRunner(_engine_config(model_factory("tiny")))
+    if off_here is None:
+        assert llama.fused_decode is not None and llama.fused_decode_state == "on"
+    else:
+        assert llama.fused_decode is None and "packed kernels" in llama.fused_decode_state
+    config, model, plan = llama.engine_config, llama.model, llama.kernels
+
+    def reason(**changes) -> str:
+        kwargs = {"engine_config": config, "device": CPU, "tp": TPContext(), "model": model, "kernels": plan,
+                  "dtype": torch.bfloat16, **changes}
+        result = fused_decode_plan(**kwargs)
+        assert not result.enabled
+        return result.reason
+
+    assert reason(engine_config=dataclasses.replace(config, disable_fused_decode=True)) == "--disable-fused-decode"
+    assert "for the CPU" in reason(device=torch.device("cuda"))
+    (store, group), _ = gloo_groups(2, "fused-plan")
+    assert "all-reduce" in reason(tp=TPContext(rank=0, size=2, group=group, store=store))
+    assert "C++ kernels" in reason(kernels=dataclasses.replace(plan, cpu_ops=None))
+    assert "bf16 / fp16" in reason(dtype=torch.float32)
+    aten = ModelRunner(_engine_config(model_factory("tiny"), cpu_bf16_linear="aten"))
+    assert aten.fused_decode is None and "not one of this project's packed kernels" in aten.fused_decode_state
+    deepseek = ModelRunner(_engine_config(model_factory("tiny", arch="deepseek_v2")))
+    assert deepseek.fused_decode is None
+    assert "Llama-family" in deepseek.fused_decode_state or "decode attention" in deepseek.fused_decode_state
+
+
+def _script(prompts: list[list[int]]) -> list[tuple]:
+    return [
+        ("join", "a", prompts[0][:3]), ("decode", 3),  # one request
+        ("join", "b", prompts[1][:9]), ("join", "c", prompts[2][:5]), ("decode", 3),  # three, unequal contexts
+        ("finish", "b"), ("decode", 2),  # rows no longer contiguous
+        *[("join", f"e{i}", prompts[4][: 2 + i]) for i in range(3)], ("decode", 2),  # five
+        ("finish", "e0"), ("finish", "a"), ("decode", 3),  # three again
+        ("finish", "c"), ("finish", "e1"), ("decode", 2),  # one again, at a new context length
+    ]
+
+
+@needs_kernels
+@pytest.mark.parametrize("torchao_config", [None, "int4wo-32", "int8wo"])
+def test_fused_decode_gives_the_layer_by_layer_logits(model_factory, torchao_config) -> None:
+    """Same kernels in the same order: every decode step's logits equal the modules' bit for bit, and the KV
+    the fused layers stored equals what the modules stored."""
+    if (why := _packed_kernels_here()) is not None:
+        pytest.skip(why)
+    model_dir = model_factory("tiny")
+    config = _engine_config(model_dir, torchao_config=torchao_config)
+    fused_runner = ModelRunner(config)
+    assert fused_runner.fused_decode is not None, fused_runner.fused_decode_state
+    modules_runner = ModelRunner(dataclasses.replace(config, disable_fused_decode=True))
+    fused, modules = Requests(fused_runner), Requests(modules_runner)
+    next_tokens: dict[str, int] = {}
+    decodes = 0
+    for action, *args in _script(encode_prompts(model_dir)):
+        if action == "join":
+            logits = [r.join(*args) for r in (modules, fused)]
+            torch.testing.assert_close(logits[1], logits[0], rtol=0, atol=0)
+            next_tokens[args[0]] = int(logits[0][-1].argmax())
+        elif action == "finish":
+            for r in (modules, fused):
+                r.finish(args[0])
+            next_tokens.pop(args[0])
+        else:
+            for _ in range(args[0]):
+                logits = [r.decode(dict(next_tokens)) for r in (modules, fused)]
+                torch.testing.assert_close(logits[1], logits[0], rtol=0, atol=0)
+                next_tokens = dict(zip(next_tokens, logits[0].argmax(dim=-1).tolist(), strict=True))
+                decodes += 1
+    assert decodes == 15
+    for layer in range(len(fused_runner.kv.pool.k_buffers)):
+        for ours, theirs in zip(fused_runner.kv.pool.buffers(layer), modules_runner.kv.pool.buffers(layer),
+                                strict=True):
+            assert torch.equal(ours, theirs)
+
+
+@needs_kernels
+def test_decode_layers_refuses_shapes_the_model_does_not_have() -> None:
+    layers = torch.classes.llmserve_cpu.DecodeLayers(64, 4, 2, 16, 128, 1e-5, 0.25)
+    norm = torch.ones(64, dtype=torch.bfloat16)
+    kv = torch.zeros(8, 2, 16, dtype=torch.bfloat16)
+    weights = [torch.zeros(1, dtype=torch.uint8)] * 4
+    shapes = [128, 64, 0, 0, 0, 64, 64, 0, 0, 0, 256, 64, 0, 0, 0, 64, 128, 0, 0, 0]
+    wrong = list(shapes)
+    wrong[0] = 96  # qkv must be (4 + 2 * 2) * 16 = 128 outputs
+    with pytest.raises(RuntimeError, match="linear 0 is 96 x 64"):
+        layers.add_layer(norm, norm, kv, kv, [0] * 4, weights, [torch.empty(0)] * 4, wrong)
+    with pytest.raises(RuntimeError, match="KV buffers"):
+        layers.add_layer(norm, norm, kv[:, :1], kv, [0] * 4, weights, [torch.empty(0)] * 4, shapes)
+    with pytest.raises(RuntimeError, match="int8 needs scales"):
+        layers.add_layer(norm, norm, kv, kv, [2] * 4, weights, [torch.empty(0)] * 4, shapes)
+    with pytest.raises(RuntimeError, match="no layers"):
+        layers.forward(torch.zeros(1, 64, dtype=torch.bfloat16), norm, norm, torch.zeros(1, dtype=torch.int64),
+                       torch.zeros(1, 1, dtype=torch.int64), torch.ones(1, dtype=torch.int64))
+    assert layers.num_layers() == 0
+
+
+def test_flag_reaches_the_engine_config() -> None:
+    from llmserve.commands.engine_args import add_engine_args, engine_argv, engine_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert not engine_config_from_args(parser.parse_args(["--model", "m"])).disable_fused_decode
+    args = parser.parse_args(["--model", "m", "--disable-fused-decode"])
+    assert engine_config_from_args(args).disable_fused_decode
+    assert "--disable-fused-decode" in engine_argv(args)  # what a worker under `serve` is started with

@@ -1,0 +1,167 @@
+// A decode step's Llama layers in one call (executor/fused_decode.py).
+//
+// A one-token step of a small model is ~10 kernel calls per layer, and run from Python each pays a module
+// call, the op's argument parsing and the dispatcher (~5-8 us) on top of its own work: on SmolLM2-135M
+// (30 layers) that is about as much as the int4 linears themselves. DecodeLayers binds each layer's
+// weights, norms and KV buffers once, at load, and runs the layers back to back here, calling the very
+// functions the ops register (ops.h) in the order the Python modules call them, so a step rounds exactly
+// as the modules' step does (tests/unit/test_fused_decode.py holds the logits equal bit for bit).
+//
+// Per layer, as models/decoder.py + models/llama.py + attention/torch_native.py compose it:
+//   (add +) RMSNorm -> qkv -> rotate-half rope on q, k -> store k, v at the step's slots
+//   -> decode attention over each request's slots -> o_proj -> add + RMSNorm -> gate_up -> silu * up -> down
+// with the residual stream in float32. Linears: this library's packed bf16 (VDPBF16PS / AMX) and AVX-512
+// int4 / int8 weight-only kernels, without bias (other kernels keep the Python path).
+#include <ATen/ATen.h>
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <optional>
+#include <tuple>
+#include <vector>
+
+#include "ops.h"
+
+namespace {
+
+// Matches executor/fused_decode.py's LinearKind.
+enum class LinearKind : int64_t { bf16_packed = 0, int4_avx512 = 1, int8_avx512 = 2 };
+constexpr int64_t kLinearFields = 5;  // per linear in add_layer's `shapes`: n, k, group, scale dtype, amx_min_rows
+constexpr int64_t kLayerLinears = 4;  // qkv, o, gate_up, down
+
+at::ScalarType scale_type(int64_t code) {
+  switch (code) {
+    case 0: return at::kFloat;
+    case 1: return at::kBFloat16;
+    case 2: return at::kHalf;
+    default: TORCH_CHECK(false, "DecodeLayers: scale dtype code ", code, " is not 0 (float32), 1 (bfloat16) or 2 (float16)");
+  }
+}
+
+struct Linear {
+  LinearKind kind;
+  at::Tensor packed, scale;  // scale: int8's per-channel scales (undefined otherwise)
+  int64_t n, k, group, amx_min_rows;
+  at::ScalarType scale_dtype;
+
+  // x [rows, k] -> [rows, n], as the module's kernel object calls its op.
+  at::Tensor operator()(const at::Tensor& x) const {
+    switch (kind) {
+      case LinearKind::bf16_packed:
+        if (amx_min_rows > 0 && x.numel() >= amx_min_rows * k)
+          return llmserve::ops::bf16_linear_packed_amx(x, packed, n, std::nullopt);
+        return llmserve::ops::bf16_linear_packed(x, packed, n, std::nullopt);
+      case LinearKind::int4_avx512:
+        return llmserve::ops::int4_weight_linear_avx512(x, packed, n, group, scale_dtype, std::nullopt, 0);
+      case LinearKind::int8_avx512:
+        return llmserve::ops::int8_weight_linear_avx512(x, packed, scale, n, std::nullopt, 0);
+    }
+    TORCH_CHECK(false, "DecodeLayers: unknown linear kind");
+  }
+};
+
+struct Layer {
+  at::Tensor input_norm, post_attention_norm;  // [hidden], the activation dtype
+  Linear qkv, o, gate_up, down;
+  at::Tensor k_buf, v_buf;  // [slots, kv_heads, head_dim]: this layer's pool buffers
+};
+
+class DecodeLayers : public torch::CustomClassHolder {
+ public:
+  DecodeLayers(int64_t hidden, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t intermediate,
+               double eps, double scaling)
+      : hidden_(hidden), num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim),
+        intermediate_(intermediate), eps_(eps), scaling_(scaling) {
+    TORCH_CHECK(hidden > 0 && num_heads > 0 && num_kv_heads > 0 && head_dim > 0 && intermediate > 0 &&
+                    num_heads % num_kv_heads == 0,
+                "DecodeLayers: sizes must be positive and num_heads a multiple of num_kv_heads");
+  }
+
+  // kinds: 4 LinearKind values (qkv, o, gate_up, down); weights: their packed weights; scales: int8's scales,
+  // an empty tensor for the others; shapes: per linear n, k, group, scale dtype code, amx_min_rows (0: no AMX).
+  void add_layer(at::Tensor input_norm, at::Tensor post_attention_norm, at::Tensor k_buf, at::Tensor v_buf,
+                 std::vector<int64_t> kinds, std::vector<at::Tensor> weights, std::vector<at::Tensor> scales,
+                 std::vector<int64_t> shapes) {
+    TORCH_CHECK(kinds.size() == kLayerLinears && weights.size() == kLayerLinears && scales.size() == kLayerLinears &&
+                    shapes.size() == kLayerLinears * kLinearFields,
+                "DecodeLayers.add_layer: four linears (qkv, o, gate_up, down), five shape fields each");
+    const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
+    const int64_t expected[kLayerLinears][2] = {
+        {q_size + 2 * kv_size, hidden_}, {hidden_, q_size}, {2 * intermediate_, hidden_}, {hidden_, intermediate_}};
+    Linear linears[kLayerLinears];
+    for (int64_t i = 0; i < kLayerLinears; ++i) {
+      const int64_t* f = shapes.data() + i * kLinearFields;
+      TORCH_CHECK(kinds[i] >= 0 && kinds[i] <= 2, "DecodeLayers.add_layer: linear kind ", kinds[i], " unknown");
+      TORCH_CHECK(f[0] == expected[i][0] && f[1] == expected[i][1], "DecodeLayers.add_layer: linear ", i, " is ",
+                  f[0], " x ", f[1], ", the model's shapes want ", expected[i][0], " x ", expected[i][1]);
+      TORCH_CHECK(weights[i].is_contiguous(), "DecodeLayers.add_layer: packed weights must be contiguous");
+      const auto kind = static_cast<LinearKind>(kinds[i]);
+      TORCH_CHECK(kind != LinearKind::int8_avx512 || scales[i].numel() > 0, "DecodeLayers.add_layer: int8 needs scales");
+      linears[i] = Linear{kind,   weights[i], kind == LinearKind::int8_avx512 ? scales[i] : at::Tensor(),
+                          f[0],   f[1],       f[2],
+                          f[4],   scale_type(f[3])};
+    }
+    TORCH_CHECK(input_norm.numel() == hidden_ && post_attention_norm.numel() == hidden_,
+                "DecodeLayers.add_layer: norm weights must have hidden_size elements");
+    TORCH_CHECK(k_buf.dim() == 3 && v_buf.dim() == 3 && k_buf.size(1) == num_kv_heads_ && k_buf.size(2) == head_dim_ &&
+                    v_buf.sizes() == k_buf.sizes() && k_buf.is_contiguous() && v_buf.is_contiguous(),
+                "DecodeLayers.add_layer: KV buffers must be contiguous [slots, ", num_kv_heads_, ", ", head_dim_, "]");
+    layers_.push_back(Layer{input_norm, post_attention_norm, linears[0], linears[1], linears[2], linears[3], k_buf,
+                            v_buf});
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+  // hidden [B, hidden]: the step's token embeddings (one token per request); cos, sin [B, 1, head_dim] in the
+  // activation dtype; out_slots [B]: where each request's new K/V go; slot_index [B, L] and seq_lens [B]: the
+  // decode attention's metadata. -> (the last layer's MLP output [B, hidden], the residual stream in float32).
+  std::tuple<at::Tensor, at::Tensor> forward(at::Tensor hidden, at::Tensor cos, at::Tensor sin, at::Tensor out_slots,
+                                             at::Tensor slot_index, at::Tensor seq_lens) const {
+    TORCH_CHECK(!layers_.empty(), "DecodeLayers.forward: no layers");
+    TORCH_CHECK(hidden.dim() == 2 && hidden.size(1) == hidden_, "DecodeLayers.forward: hidden must be [tokens, ",
+                hidden_, "]");
+    const int64_t tokens = hidden.size(0);
+    TORCH_CHECK(out_slots.numel() == tokens && seq_lens.numel() == tokens,
+                "DecodeLayers.forward: one token, one slot and one length per request");
+    const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
+    at::Tensor residual, x;
+    for (const Layer& layer : layers_) {
+      if (!residual.defined()) {  // first layer: the embedding is the residual
+        residual = hidden;
+        x = llmserve::ops::rms_norm(hidden, layer.input_norm, eps_);
+      } else {
+        std::tie(x, residual) = llmserve::ops::fused_add_rms_norm(hidden, residual, layer.input_norm, eps_);
+      }
+      const at::Tensor qkv = layer.qkv(x);  // [tokens, q_size + 2 kv_size]
+      const at::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, num_heads_, head_dim_});
+      const at::Tensor k = qkv.narrow(1, q_size, kv_size).view({tokens, num_kv_heads_, head_dim_});
+      const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, num_kv_heads_, head_dim_});
+      auto [q_rot, k_rot] = llmserve::ops::rotary_rotate_half(q, k, cos, sin);
+      layer.k_buf.index_copy_(0, out_slots, k_rot.to(layer.k_buf.scalar_type()));
+      layer.v_buf.index_copy_(0, out_slots, v.to(layer.v_buf.scalar_type()));
+      const at::Tensor attn = llmserve::ops::decode_attention(q_rot.contiguous(), layer.k_buf, layer.v_buf, slot_index,
+                                                              seq_lens, scaling_, 0);  // [tokens, heads, head_dim]
+      hidden = layer.o(attn.reshape({tokens, q_size}));
+      std::tie(x, residual) = llmserve::ops::fused_add_rms_norm(hidden, residual, layer.post_attention_norm, eps_);
+      const at::Tensor gate_up = layer.gate_up(x);  // [tokens, 2 intermediate]: gate | up
+      hidden = layer.down(at::silu(gate_up.narrow(1, 0, intermediate_)).mul_(gate_up.narrow(1, intermediate_, intermediate_)));
+    }
+    return {hidden, residual};
+  }
+
+ private:
+  int64_t hidden_, num_heads_, num_kv_heads_, head_dim_, intermediate_;
+  double eps_, scaling_;
+  std::vector<Layer> layers_;
+};
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(llmserve_cpu, m) {
+  m.class_<DecodeLayers>("DecodeLayers")
+      .def(torch::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, double>())
+      .def("add_layer", &DecodeLayers::add_layer)
+      .def("num_layers", &DecodeLayers::num_layers)
+      .def("forward", &DecodeLayers::forward);
+}
