@@ -2,8 +2,10 @@
 
 Loads the model as the worker would (same kernel plan, same quantization), then replays one bs1 decode
 step's linears, in the model's order, with one-row inputs: the weight bytes they read divided by their
-time is their effective bandwidth. The host's read bandwidth is measured in the same process: the best
-of several fp32 sums over a buffer far larger than the caches, on the same threads.
+time is their effective bandwidth. Twice: each linear called from Python as the modules call it, and (where
+fused decode is on, executor/fused_decode.py) the layers' linears as the fused step calls them, from C++
+(``DecodeLayers.time_linears``), with the LM head from Python. The host's read bandwidth is measured in the
+same process: the best of several fp32 sums over a buffer far larger than the caches, on the same threads.
 
     python benchmarks/linear_bandwidth.py MODEL [--quant none|int8wo|int4wo-32] [--bf16-linear K] [--threads 2] [--json]
 """
@@ -76,8 +78,22 @@ def linear_bandwidth(runner: ModelRunner, repeats: int = 20) -> dict[str, float]
             step()
             best = min(best, time.perf_counter() - start)
     nbytes = sum(b for _, _, b in linears)
-    return {"linears": len(linears), "weight_bytes": nbytes, "linears_ms": best * 1e3,
-            "linears_gbs": nbytes / best / 1e9}
+    result = {"linears": len(linears), "weight_bytes": nbytes, "linears_ms": best * 1e3,
+              "linears_gbs": nbytes / best / 1e9}
+    fused = runner.fused_decode
+    if fused is not None:  # the layers' linears as the fused step calls them (from C++), the LM head from Python
+        heads = [(m, x) for (m, _, _), x in zip(linears, inputs, strict=True) if isinstance(m, ParallelLMHead)]
+        with torch.inference_mode():
+            layers_s = fused.layers.time_linears(1, repeats, torch.empty(0, dtype=runner.dtype))
+            head_s = float("inf")
+            for _ in range(repeats):
+                start = time.perf_counter()
+                for head, x in heads:
+                    head.kernel(x, head.weight, None)
+                head_s = min(head_s, time.perf_counter() - start)
+        result["fused_linears_ms"] = (layers_s + head_s) * 1e3
+        result["fused_linears_gbs"] = nbytes / (layers_s + head_s) / 1e9
+    return result
 
 
 def main() -> None:
@@ -96,13 +112,19 @@ def main() -> None:
     result = linear_bandwidth(runner)
     result["host_read_gbs"] = host_read_bandwidth()
     result["fraction_of_host"] = result["linears_gbs"] / result["host_read_gbs"]
+    if "fused_linears_gbs" in result:
+        result["fused_fraction_of_host"] = result["fused_linears_gbs"] / result["host_read_gbs"]
     result["bf16_linear"] = runner.kernels.bf16_linear
     if args.json:
         print(json.dumps(result))
         return
     print(f"{result['linears']} linears, {result['weight_bytes'] / 1e6:.1f} MB read per bs1 step in "
           f"{result['linears_ms']:.2f} ms: {result['linears_gbs']:.1f} GB/s = {result['fraction_of_host']:.0%} of the "
-          f"host's {result['host_read_gbs']:.1f} GB/s read bandwidth (bf16 kernel {result['bf16_linear']})")
+          f"host's {result['host_read_gbs']:.1f} GB/s read bandwidth (bf16 kernel {result['bf16_linear']}), each "
+          "called from Python")
+    if "fused_linears_gbs" in result:
+        print(f"as the fused decode step calls them: {result['fused_linears_ms']:.2f} ms, "
+              f"{result['fused_linears_gbs']:.1f} GB/s = {result['fused_fraction_of_host']:.0%}")
 
 
 if __name__ == "__main__":

@@ -250,7 +250,12 @@ def main() -> None:
         shares = " / ".join(format(f, ".0%") for f in fractions)
         name = "bf16" if quant == "none" else quant
         print(f"bs1 {name} linears: {linears} GB/s of their own bytes against the host's {host} GB/s read "
-              f"bandwidth ({shares}; median {statistics.median(fractions):.0%})")
+              f"bandwidth ({shares}; median {statistics.median(fractions):.0%}), each called from Python")
+        fused = [b["fused_fraction_of_host"] for b in runs if "fused_fraction_of_host" in b]
+        if fused:
+            print(f"bs1 {name} linears as the fused decode step calls them: "
+                  + " / ".join(format(b["fused_linears_gbs"], ".1f") for b in runs if "fused_linears_gbs" in b)
+                  + f" GB/s ({' / '.join(format(f, '.0%') for f in fused)}; median {statistics.median(fused):.0%})")
     for line in skipped:
         print(f"skipped {line}")
 

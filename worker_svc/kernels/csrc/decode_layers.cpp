@@ -16,7 +16,10 @@
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cstdint>
+#include <limits>
 #include <optional>
 #include <tuple>
 #include <vector>
@@ -113,6 +116,28 @@ class DecodeLayers : public torch::CustomClassHolder {
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
+  // benchmarks/linear_bandwidth.py: every layer's four linears back to back on `rows` rows of `like`'s dtype (zeros),
+  // as a decode step calls them from here, `repeats` times; -> the fastest pass in seconds.
+  double time_linears(int64_t rows, int64_t repeats, at::Tensor like) const {
+    TORCH_CHECK(rows > 0 && repeats > 0, "DecodeLayers.time_linears: rows and repeats must be positive");
+    const int64_t q_size = num_heads_ * head_dim_;
+    const auto options = like.options();
+    const at::Tensor x_hidden = at::zeros({rows, hidden_}, options), x_q = at::zeros({rows, q_size}, options);
+    const at::Tensor x_inter = at::zeros({rows, intermediate_}, options);
+    double best = std::numeric_limits<double>::infinity();
+    for (int64_t r = 0; r < repeats; ++r) {
+      const auto start = std::chrono::steady_clock::now();
+      for (const Layer& layer : layers_) {
+        layer.qkv(x_hidden);
+        layer.o(x_q);
+        layer.gate_up(x_hidden);
+        layer.down(x_inter);
+      }
+      best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    }
+    return best;
+  }
+
   // hidden [B, hidden]: the step's token embeddings (one token per request); cos, sin [B, 1, head_dim] in the
   // activation dtype; out_slots [B]: where each request's new K/V go; slot_index [B, L] and seq_lens [B]: the
   // decode attention's metadata. -> (the last layer's MLP output [B, hidden], the residual stream in float32).
@@ -163,5 +188,6 @@ TORCH_LIBRARY_FRAGMENT(llmserve_cpu, m) {
       .def(torch::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, double>())
       .def("add_layer", &DecodeLayers::add_layer)
       .def("num_layers", &DecodeLayers::num_layers)
+      .def("time_linears", &DecodeLayers::time_linears)
       .def("forward", &DecodeLayers::forward);
 }
