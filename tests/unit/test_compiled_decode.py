@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from tests.ranks import gloo_groups
+from tests.unit.lockstep import decode_script, run_lockstep
 from tests.unit.oracle import encode_prompts
 from tests.unit.test_cuda_graph_runner import Requests
 from worker_svc.config.engine_config import EngineConfig
@@ -50,17 +51,6 @@ def test_compile_plan(model_factory) -> None:
     assert not looped.enabled and "host sync" in looped.reason
 
 
-def _script(prompts: list[list[int]]) -> list[tuple]:
-    return [
-        ("join", "a", prompts[0][:3]), ("decode", 3),  # one request
-        ("join", "b", prompts[1][:9]), ("join", "c", prompts[2][:5]), ("decode", 3),  # three, unequal contexts
-        ("finish", "b"), ("decode", 2),  # rows no longer contiguous
-        *[("join", f"e{i}", prompts[4][: 2 + i]) for i in range(3)], ("decode", 2),  # five: past max_bs 4, eager
-        ("finish", "e0"), ("finish", "a"), ("decode", 3),  # three again
-        ("finish", "c"), ("finish", "e1"), ("decode", 2),  # one again, at a new context length
-    ]
-
-
 @pytest.mark.skipif(CPU_OPS is None, reason="the CPU kernels (AVX2) are unavailable: the compiled path is theirs")
 @pytest.mark.parametrize("torchao_config", [None, "int4wo-32"])
 def test_compiled_decode_gives_the_eager_logits(model_factory, torchao_config) -> None:
@@ -76,28 +66,10 @@ def test_compiled_decode_gives_the_eager_logits(model_factory, torchao_config) -
     for layer in range(len(compiled_runner.kv.pool.k_buffers)):
         for buffers in compiled_runner.kv.pool.buffers(layer):
             assert not buffers[1:].any()
-    graphed = Requests(compiled_runner)
-    decodes = compiled_steps = 0
-    next_tokens: dict[str, int] = {}
-    for action, *args in _script(encode_prompts(model_dir)):
-        if action == "join":
-            rid, prompt = args
-            logits = [r.join(rid, prompt) for r in (eager, graphed)]
-            torch.testing.assert_close(logits[1], logits[0], rtol=0, atol=0)
-            next_tokens[rid] = int(logits[0][-1].argmax())
-        elif action == "finish":
-            for r in (eager, graphed):
-                r.finish(args[0])
-            next_tokens.pop(args[0])
-        else:
-            for _ in range(args[0]):
-                logits = [r.decode(dict(next_tokens)) for r in (eager, graphed)]
-                torch.testing.assert_close(logits[1], logits[0], rtol=0, atol=0)
-                next_tokens = dict(zip(next_tokens, logits[0].argmax(dim=-1).tolist(), strict=True))
-                decodes += 1
-                compiled_steps += len(next_tokens) <= 4
+    batch_sizes = run_lockstep(decode_script(encode_prompts(model_dir)), eager, Requests(compiled_runner))
+    compiled_steps = sum(size <= 4 for size in batch_sizes)
     assert compiled.failed is None  # no step needed a graph the warm-up did not build
-    assert compiled.steps_run == compiled_steps == decodes - 2  # the two steps of five requests ran eagerly
+    assert compiled.steps_run == compiled_steps == len(batch_sizes) - 2  # the two steps of five requests ran eagerly
 
 
 def test_flags_reach_the_engine_config() -> None:

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tests.ranks import gloo_groups
+from tests.unit.lockstep import decode_script, run_lockstep
 from tests.unit.oracle import encode_prompts
 from tests.unit.test_cuda_graph_runner import Requests
 from worker_svc.config.engine_config import EngineConfig
@@ -71,17 +72,6 @@ def test_fused_decode_plan(model_factory) -> None:
     assert "Llama-family" in deepseek.fused_decode_state or "decode attention" in deepseek.fused_decode_state
 
 
-def _script(prompts: list[list[int]]) -> list[tuple]:
-    return [
-        ("join", "a", prompts[0][:3]), ("decode", 3),  # one request
-        ("join", "b", prompts[1][:9]), ("join", "c", prompts[2][:5]), ("decode", 3),  # three, unequal contexts
-        ("finish", "b"), ("decode", 2),  # rows no longer contiguous
-        *[("join", f"e{i}", prompts[4][: 2 + i]) for i in range(3)], ("decode", 2),  # five
-        ("finish", "e0"), ("finish", "a"), ("decode", 3),  # three again
-        ("finish", "c"), ("finish", "e1"), ("decode", 2),  # one again, at a new context length
-    ]
-
-
 @needs_kernels
 @pytest.mark.parametrize("torchao_config", [None, "int4wo-32", "int8wo"])
 def test_fused_decode_gives_the_layer_by_layer_logits(model_factory, torchao_config) -> None:
@@ -94,25 +84,9 @@ def test_fused_decode_gives_the_layer_by_layer_logits(model_factory, torchao_con
     fused_runner = ModelRunner(config)
     assert fused_runner.fused_decode is not None, fused_runner.fused_decode_state
     modules_runner = ModelRunner(dataclasses.replace(config, disable_fused_decode=True))
-    fused, modules = Requests(fused_runner), Requests(modules_runner)
-    next_tokens: dict[str, int] = {}
-    decodes = 0
-    for action, *args in _script(encode_prompts(model_dir)):
-        if action == "join":
-            logits = [r.join(*args) for r in (modules, fused)]
-            torch.testing.assert_close(logits[1], logits[0], rtol=0, atol=0)
-            next_tokens[args[0]] = int(logits[0][-1].argmax())
-        elif action == "finish":
-            for r in (modules, fused):
-                r.finish(args[0])
-            next_tokens.pop(args[0])
-        else:
-            for _ in range(args[0]):
-                logits = [r.decode(dict(next_tokens)) for r in (modules, fused)]
-                torch.testing.assert_close(logits[1], logits[0], rtol=0, atol=0)
-                next_tokens = dict(zip(next_tokens, logits[0].argmax(dim=-1).tolist(), strict=True))
-                decodes += 1
-    assert decodes == 15
+    batch_sizes = run_lockstep(decode_script(encode_prompts(model_dir)), Requests(modules_runner),
+                               Requests(fused_runner))
+    assert batch_sizes == [1] * 3 + [3] * 3 + [2] * 2 + [5] * 2 + [3] * 3 + [1] * 2
     for layer in range(len(fused_runner.kv.pool.k_buffers)):
         for ours, theirs in zip(fused_runner.kv.pool.buffers(layer), modules_runner.kv.pool.buffers(layer),
                                 strict=True):
