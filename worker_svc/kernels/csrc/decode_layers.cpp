@@ -101,9 +101,9 @@ class DecodeLayers : public torch::CustomClassHolder {
       TORCH_CHECK(weights[i].is_contiguous(), "DecodeLayers.add_layer: packed weights must be contiguous");
       const auto kind = static_cast<LinearKind>(kinds[i]);
       TORCH_CHECK(kind != LinearKind::int8_avx512 || scales[i].numel() > 0, "DecodeLayers.add_layer: int8 needs scales");
-      linears[i] = Linear{kind,   weights[i], kind == LinearKind::int8_avx512 ? scales[i] : at::Tensor(),
-                          f[0],   f[1],       f[2],
-                          f[4],   scale_type(f[3])};
+      const at::Tensor scale = kind == LinearKind::int8_avx512 ? scales[i] : at::Tensor();
+      linears[i] = Linear{kind, weights[i], scale, /*n=*/f[0], /*k=*/f[1], /*group=*/f[2], /*amx_min_rows=*/f[4],
+                          scale_type(f[3])};
     }
     TORCH_CHECK(input_norm.numel() == hidden_ && post_attention_norm.numel() == hidden_,
                 "DecodeLayers.add_layer: norm weights must have hidden_size elements");
