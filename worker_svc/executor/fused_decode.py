@@ -24,7 +24,6 @@ from enum import IntEnum
 import structlog
 import torch
 
-from worker_svc.attention.torch_native import TorchNativeAttentionBackend
 from worker_svc.config.engine_config import EngineConfig
 from worker_svc.executor.kernel_choice import KernelPlan
 from worker_svc.forward_batch import ForwardBatch, ForwardMode, StepInput
@@ -169,16 +168,13 @@ class FusedDecode:
 
 
 def build_fused_decode(engine_config: EngineConfig, model: torch.nn.Module, tp: TPContext, kv: KVCache,
-                       attn_backend: object, kernels: KernelPlan, device: torch.device,
-                       dtype: torch.dtype) -> tuple[FusedDecode | None, str]:
+                       kernels: KernelPlan, device: torch.device, dtype: torch.dtype) -> tuple[FusedDecode | None, str]:
     """(the fused decode, "") or (None, why it is off); logged either way."""
     plan = fused_decode_plan(engine_config, device, tp, model, kernels, dtype)
-    if plan.enabled and not (isinstance(kv.pool, MHAKVPool) and isinstance(attn_backend, TorchNativeAttentionBackend)
-                             and attn_backend.decode_impl == "avx2"):
-        plan = FusedDecodePlan(enabled=False, reason="the attention backend is not the MHA pool's C++ decode kernel")
     if not plan.enabled:
         log.info("fused decode off", reason=plan.reason)
         return None, plan.reason
+    # The plan's attention_decode "avx2" is what makes the runner's backend the MHA pool's C++ decode kernel.
     assert isinstance(model, CausalLM) and isinstance(kv.pool, MHAKVPool)
     fused = FusedDecode(model, kv.pool)
     log.info("fused decode on", layers=fused.layers.num_layers())

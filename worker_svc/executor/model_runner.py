@@ -118,7 +118,7 @@ class ModelRunner:
         self.compiled_decode, self._compile_off_reason = build_compiled_decode(
             engine_config, self.model, self.tp, self.kv, self.attn_backend, self.device)
         self.fused_decode, self._fused_off_reason = build_fused_decode(
-            engine_config, self.model, self.tp, self.kv, self.attn_backend, self.kernels, self.device, self.dtype)
+            engine_config, self.model, self.tp, self.kv, self.kernels, self.device, self.dtype)
 
     def _load_model(self, quant: QuantConfig, kernels: KernelPlan) -> nn.Module:
         engine_config = self.engine_config
