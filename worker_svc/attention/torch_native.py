@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from worker_svc.attention.base import AttentionLayer
 from worker_svc.attention.metadata import DecodeMetadata, ExtendMetadata, prepare_decode_fixed, prepare_metadata
+from worker_svc.attention.sdpa import attend_tokens_first
 from worker_svc.forward_batch import ForwardBatch, ForwardMode
 from worker_svc.kvcache import MHAKVPool
 
@@ -159,17 +160,14 @@ class TorchNativeAttentionBackend:
             if i in grouped:
                 continue
             end = start + batch.seq_lens[i] - batch.prefix_lens[i]
-            query = q[start:end].transpose(0, 1)  # [q_heads, extend, head_dim]
             if meta.context_slots[i] is None:
-                keys, values = k[start:end].transpose(0, 1), v[start:end].transpose(0, 1)
-                result = F.scaled_dot_product_attention(
-                    query, keys, values, is_causal=True, scale=layer.scaling, enable_gqa=True
+                out[start:end] = attend_tokens_first(
+                    q[start:end], k[start:end], v[start:end], is_causal=True, scale=layer.scaling, enable_gqa=True
                 )
             else:
                 slots = meta.context_slots[i]
-                keys, values = k_buf[slots].transpose(0, 1), v_buf[slots].transpose(0, 1)  # [kv_heads, seq, dim]
-                result = F.scaled_dot_product_attention(
-                    query, keys, values, attn_mask=meta.masks[i], scale=layer.scaling, enable_gqa=True
+                out[start:end] = attend_tokens_first(
+                    q[start:end], k_buf[slots], v_buf[slots], attn_mask=meta.masks[i], scale=layer.scaling,
+                    enable_gqa=True,
                 )
-            out[start:end] = result.transpose(0, 1)
         return out

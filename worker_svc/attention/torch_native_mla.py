@@ -15,10 +15,10 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 
 from worker_svc.attention.base import MLAAttentionLayer
 from worker_svc.attention.metadata import DecodeMetadata, ExtendMetadata, prepare_decode_fixed, prepare_metadata
+from worker_svc.attention.sdpa import attend_tokens_first
 from worker_svc.config.engine_config import MLA_DECODE_MODES
 from worker_svc.forward_batch import ForwardBatch, ForwardMode
 from worker_svc.kernels.row_stable import pad_rows
@@ -87,11 +87,9 @@ class TorchNativeMLABackend:
             if self.row_wise:
                 out[start:end] = self._attend_rows(query[start:end], keys, values, batch.prefix_lens[i], layer)
                 continue
-            result = F.scaled_dot_product_attention(
-                query[start:end].transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
-                attn_mask=meta.masks[i], is_causal=slots is None, scale=layer.scaling,
+            out[start:end] = attend_tokens_first(
+                query[start:end], keys, values, attn_mask=meta.masks[i], is_causal=slots is None, scale=layer.scaling
             )
-            out[start:end] = result.transpose(0, 1)
         return out
 
     @staticmethod
