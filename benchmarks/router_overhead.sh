@@ -7,7 +7,7 @@
 # compared, the run-to-run spread cancels.
 #
 #   benchmarks/router_overhead.sh MODEL [CONCURRENCY ...]   (default 16 64)
-# ROUTER_FLAGS: extra router flags (e.g. "--detokenize service").
+# ROUTER_FLAGS: extra router flags (e.g. "--detokenize service"). WORKER_FLAGS: extra worker flags.
 set -euo pipefail
 model=$(realpath "${1:?usage: benchmarks/router_overhead.sh MODEL [CONCURRENCY ...]}"); shift
 levels=(16 64); [ $# -gt 0 ] && levels=("$@")
@@ -19,7 +19,7 @@ w=$(port); wm=$(port); t=$(port); r=$(port); rm=$(port)
 pids=()
 trap 'kill "${pids[@]}" 2>/dev/null || true; wait 2>/dev/null || true' EXIT
 "$py" -m llmserve.cli worker --model "$model" --dtype bfloat16 --port "$w" --metrics-port "$wm" \
-    --max-running-requests 64 --disable-radix-cache > "$out/worker.log" 2>&1 & pids+=("$!")
+    --max-running-requests 64 --disable-radix-cache ${WORKER_FLAGS:-} > "$out/worker.log" 2>&1 & pids+=("$!")
 "$py" -m llmserve.cli tokenizer --model "$model" --port "$t" > "$out/tokenizer.log" 2>&1 & pids+=("$!")
 "$py" -m llmserve.cli router --tokenizer "127.0.0.1:$t" --workers "127.0.0.1:$w" --port "$r" --metrics-port "$rm" \
     --max-concurrent-requests 256 ${ROUTER_FLAGS:-} > "$out/router.log" 2>&1 & pids+=("$!")

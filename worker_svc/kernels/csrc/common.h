@@ -6,6 +6,7 @@
 #include <immintrin.h>
 
 #include <cstdint>
+#include <type_traits>
 
 namespace llmserve {
 
@@ -19,6 +20,42 @@ void dispatch_float(at::ScalarType type, const char* what, F&& body) {
     case at::kBFloat16: body(c10::BFloat16{}); break;
     case at::kHalf: body(c10::Half{}); break;
     default: TORCH_CHECK(false, what, ": unsupported dtype ", type, " (float32, bfloat16 or float16)");
+  }
+}
+
+// 8 values of the activation / cache dtypes <-> fp32 lanes. bf16 -> fp32 is a 16-bit shift; fp32 -> bf16
+// rounds to nearest even (NaN -> quiet NaN) and fp32 -> fp16 to nearest, as c10::BFloat16 / c10::Half round,
+// so a vector loop rounds exactly where the scalar static_casts (and the torch ops) do.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+inline __m256 load8(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+
+inline __m128i to16(__m256 v, c10::BFloat16) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  rounded = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC0), nan);
+  return _mm_packus_epi32(_mm256_castsi256_si128(rounded), _mm256_extracti128_si256(rounded, 1));
+}
+inline __m128i to16(__m256 v, c10::Half) { return _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+template <typename T>
+inline void store8(T* p, __m256 v) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), to16(v, T{}));
+}
+
+// v rounded to T and back: where the torch path rounds an intermediate result (identity for float).
+template <typename T>
+inline __m256 round_through(__m256 v) {
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+  } else {
+    const __m128i h = to16(v, T{});
+    return load8(reinterpret_cast<const T*>(&h));
   }
 }
 

@@ -30,14 +30,7 @@ namespace {
 
 using llmserve::hsum;
 
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const c10::BFloat16* p) {  // bf16 -> fp32 is a 16-bit shift
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
-}
-inline __m256 load8(const c10::Half* p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
+using llmserve::load8;
 
 // Cephes' expf on 8 lanes: e^x = 2^n e^r, n = round(x / ln 2), r by a two-part ln 2, degree-6
 // polynomial; within ~2 ulp of std::exp, and 0 below -88 (softmax inputs here are <= 0).

@@ -23,6 +23,9 @@
 namespace {
 
 using llmserve::hsum;
+using llmserve::load8;
+using llmserve::round_through;
+using llmserve::store8;
 
 template <typename T>
 inline T round_to(float v) {
@@ -41,7 +44,12 @@ void normalize_row(const float* row, const T* weight, int64_t H, float eps, T* o
   float sum = hsum(squares);
   for (; h < H; ++h) sum += row[h] * row[h];
   const float inv_rms = 1.f / std::sqrt(sum / static_cast<float>(H) + eps);
-  for (h = 0; h < H; ++h) {
+  const __m256 inv_rms8 = _mm256_set1_ps(inv_rms);
+  for (h = 0; h + 8 <= H; h += 8) {
+    const __m256 normed = round_through<T>(_mm256_mul_ps(_mm256_loadu_ps(row + h), inv_rms8));
+    store8(out + h, _mm256_mul_ps(load8(weight + h), normed));
+  }
+  for (; h < H; ++h) {
     const T normed = static_cast<T>(row[h] * inv_rms);
     out[h] = static_cast<T>(static_cast<float>(weight[h]) * static_cast<float>(normed));
   }
@@ -53,7 +61,16 @@ void norm_rows(const T* x, const R* residual, float* residual_out, const T* weig
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> row(H);
     for (int64_t r = begin; r < end; ++r) {
-      for (int64_t h = 0; h < H; ++h) {
+      int64_t h = 0;
+      for (; h + 8 <= H; h += 8) {
+        __m256 v = load8(x + r * H + h);
+        if (residual) {  // residual + x, kept in float32
+          v = _mm256_add_ps(v, load8(residual + r * H + h));
+          _mm256_storeu_ps(residual_out + r * H + h, v);
+        }
+        _mm256_storeu_ps(row.data() + h, v);
+      }
+      for (; h < H; ++h) {
         float v = static_cast<float>(x[r * H + h]);
         if (residual) {  // residual + x, kept in float32
           v += static_cast<float>(residual[r * H + h]);

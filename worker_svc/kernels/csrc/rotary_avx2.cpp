@@ -14,32 +14,15 @@
 #include <immintrin.h>
 
 #include <tuple>
+
+#include "common.h"
 #include "ops.h"
 
 namespace {
 
-inline __m256 load8(const c10::BFloat16* p) {  // bf16 -> fp32 is a 16-bit shift
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
-}
-inline __m256 load8(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
-
-// fp32 -> bf16 bits, round to nearest even (NaN -> quiet NaN), as c10::BFloat16 rounds.
-inline __m128i to16(__m256 v, c10::BFloat16) {
-  const __m256i bits = _mm256_castps_si256(v);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
-  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-  rounded = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC0), nan);
-  return _mm_packus_epi32(_mm256_castsi256_si128(rounded), _mm256_extracti128_si256(rounded, 1));
-}
-inline __m128i to16(__m256 v, c10::Half) { return _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
-
-// Rounds v to T and back: the torch path's rounding of an intermediate result.
-template <typename T>
-inline __m256 round_through(__m256 v) {
-  const __m128i h = to16(v, T{});
-  return load8(reinterpret_cast<const T*>(&h));
-}
+using llmserve::load8;
+using llmserve::round_through;
+using llmserve::to16;
 
 template <typename T>
 void rotate_row(const T* x, const T* cos, const T* sin, int64_t D, T* out) {
