@@ -114,10 +114,28 @@ def test_decode_avx512_path_equals_the_avx2_path_and_the_reference(dtype, heads,
     meta = batch.attn_metadata
     args = (q.contiguous(), k_buf, v_buf, meta.slot_index, meta.seq_lens, layer.scaling)
     avx2, avx512 = CPU_OPS.decode_attention(*args, 1), CPU_OPS.decode_attention(*args, 2)
-    assert avx512.dtype == dtype and torch.equal(CPU_OPS.decode_attention(*args), avx512)  # auto: AVX-512
     ref = _dense_reference(q, batch, table, layer).view_as(avx512)
-    assert (avx512.float() - ref).abs().max().item() <= 2e-2
+    assert avx512.dtype == dtype and (avx512.float() - ref).abs().max().item() <= 2e-2
     assert (avx512.float() - avx2.float()).abs().max().item() <= 1e-2  # one rounding of close fp32 sums
+    best = avx512
+    if dtype == torch.bfloat16 and CPU_OPS.decode_attention_avx512_bf16_available():
+        best = CPU_OPS.decode_attention(*args, 3)  # VDPBF16PS scores, 4 keys reduced together
+        assert best.dtype == dtype and (best.float() - ref).abs().max().item() <= 2e-2
+        assert (best.float() - avx512.float()).abs().max().item() <= 1e-2
+    assert torch.equal(CPU_OPS.decode_attention(*args), best)  # auto: the AVX512-BF16 path where it runs
+
+
+@needs_cpu_ops
+def test_decode_avx512_bf16_path_refuses_what_it_cannot_run():
+    if not CPU_OPS.decode_attention_avx512_bf16_available():
+        pytest.skip("this CPU lacks AVX512-BF16: the VDPBF16PS decode attention cannot run")
+    backend = TorchNativeAttentionBackend(decode_impl="avx2", cpu_ops=CPU_OPS)
+    batch, layer, q, _, _, _ = _decode_batch(backend, torch.float16, [4, 6], 4, 2, 64)
+    k_buf, v_buf = batch.kv_pool.buffers(0)
+    args = (q.contiguous(), k_buf, v_buf, batch.attn_metadata.slot_index, batch.attn_metadata.seq_lens, 0.125)
+    with pytest.raises(RuntimeError, match="AVX512-BF16 path needs"):
+        CPU_OPS.decode_attention(*args, 3)  # fp16 pools: the AVX-512 fp32 path only
+    assert torch.equal(CPU_OPS.decode_attention(*args), CPU_OPS.decode_attention(*args, 2))
 
 
 @needs_cpu_ops
@@ -127,7 +145,7 @@ def test_decode_avx512_path_refuses_what_it_cannot_run():
         batch, layer, q, _, _, _ = _decode_batch(backend, dtype, [4, 6], 4, 2, dim)
         k_buf, v_buf = batch.kv_pool.buffers(0)
         args = (q.contiguous(), k_buf, v_buf, batch.attn_metadata.slot_index, batch.attn_metadata.seq_lens, 0.25)
-        with pytest.raises(RuntimeError, match="AVX-512 path needs"):
+        with pytest.raises(RuntimeError, match="AVX-512 paths need"):
             CPU_OPS.decode_attention(*args, 2)
         assert CPU_OPS.decode_attention(*args).shape == q.shape  # auto: the AVX2 code
 

@@ -95,7 +95,9 @@ def test_attention_follows_the_model_kind_and_the_cpu_kernels():
     assert mha.attention_decode == ("avx2" if cpu_ext.load() is not None else "grouped_matmul")
     if cpu_ext.load() is not None:
         avx512 = bool(cpu_ext.load().decode_attention_avx512_available())
-        assert mha.describe()["attention_decode_isa"] == ("avx512" if avx512 else "avx2")
+        bf16_dot = bool(cpu_ext.load().decode_attention_avx512_bf16_available())
+        assert mha.describe()["attention_decode_isa"] == ("avx512_bf16" if bf16_dot else "avx512" if avx512 else "avx2")
+        assert _plan(torch.float16).describe()["attention_decode_isa"] == ("avx512" if avx512 else "avx2")
         assert _plan(torch.float32).describe()["attention_decode_isa"] == "avx2"  # fp32 pools: the AVX2 code
     backend = attention_backend(mha)
     assert isinstance(backend, TorchNativeAttentionBackend) and backend.decode_impl == mha.attention_decode

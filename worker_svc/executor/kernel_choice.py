@@ -177,14 +177,22 @@ def choose_kernels(
         moe_experts=_moe_experts(engine_config, quant, device),
         quant_kernel=quant_kernel,
         amx=cpu_ops is not None and bool(cpu_ops.quant_amx_available()),  # type: ignore[attr-defined]
-        attention_isa=("avx512" if cpu_ops is not None and dtype in (torch.bfloat16, torch.float16)
-                       and cpu_ops.decode_attention_avx512_available() else "avx2"),  # type: ignore[attr-defined]
+        attention_isa=_decode_attention_isa(cpu_ops, dtype),
         deterministic=engine_config.deterministic_inference,
         fp32_row_padding=(probe_row_padding(device)
                           if engine_config.deterministic_inference and on_cpu and dtype == torch.float32 else None),
     )
     log.info("kernel plan", **plan.describe())
     return plan
+
+
+def _decode_attention_isa(cpu_ops: object | None, dtype: torch.dtype) -> str:
+    """What decode_attention's auto choice runs for this pool dtype (kernels/csrc/decode_attention_avx2.cpp)."""
+    if cpu_ops is None or dtype not in (torch.bfloat16, torch.float16):
+        return "avx2"
+    if dtype == torch.bfloat16 and cpu_ops.decode_attention_avx512_bf16_available():  # type: ignore[attr-defined]
+        return "avx512_bf16"
+    return "avx512" if cpu_ops.decode_attention_avx512_available() else "avx2"  # type: ignore[attr-defined]
 
 
 def apply_kernels(model: nn.Module, plan: KernelPlan) -> None:

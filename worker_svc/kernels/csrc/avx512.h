@@ -1,5 +1,5 @@
-// Shared by the AVX-512 kernels (quant_linear_avx512.cpp, the AVX-512 path of decode_attention_avx2.cpp, amx.h):
-// the CPU check and bf16 rounding without AVX512-BF16. Functions carry their own target attribute, so the
+// Shared by the AVX-512 kernels (quant_linear_avx512.cpp, the AVX-512 paths of decode_attention_avx2.cpp, amx.h):
+// the CPU checks and bf16 rounding without AVX512-BF16. Functions carry their own target attribute, so the
 // library still builds with the AVX2 base flags.
 #pragma once
 
@@ -16,13 +16,24 @@ inline bool cpu_has_avx512() {
   return has;
 }
 
-// 16 fp32 -> 16 bf16, rounded to nearest even as c10::BFloat16 rounds (NaN -> 0x7FC0).
-LLMSERVE_AVX512 inline __m256i to_bf16(__m512 v) {
+#define LLMSERVE_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+
+// AVX-512 F/BW/VL/DQ and AVX512-BF16 (VDPBF16PS).
+inline bool cpu_has_avx512_bf16() {
+  static const bool has = cpu_has_avx512() && __builtin_cpu_supports("avx512bf16");
+  return has;
+}
+
+// 16 fp32 -> their bf16 bits in the low half of each 32-bit lane, rounded to nearest even as c10::BFloat16
+// rounds (NaN -> 0x7FC0).
+LLMSERVE_AVX512 inline __m512i bf16_bits(__m512 v) {
   const __m512i bits = _mm512_castps_si512(v);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
-  rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
-  return _mm512_cvtepi32_epi16(rounded);
+  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  return _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
 }
+
+// 16 fp32 -> 16 bf16, rounded as bf16_bits.
+LLMSERVE_AVX512 inline __m256i to_bf16(__m512 v) { return _mm512_cvtepi32_epi16(bf16_bits(v)); }
 
 }  // namespace llmserve

@@ -1,5 +1,5 @@
 // Decode attention over the paged KV pool, one query token per request, for AVX2 + FMA CPUs, with an
-// AVX-512 path (below) where the CPU has it and the pool is bf16 / fp16.
+// AVX-512 path (below) where the CPU has it and the pool is bf16 / fp16, and an AVX512-BF16 one for bf16.
 //
 //   decode_attention(q [B, Hq, D], k_pool [S, Hkv, D], v_pool [S, Hkv, Dv], slots [B, L] int64,
 //                    seq_lens [B] int64, scaling, isa = 0) -> [B, Hq, Dv] in q's dtype
@@ -257,15 +257,129 @@ HeadsFn heads_fn(int64_t D, int gc) {
   return D == 32 ? heads_for<T, 2>(gc) : D == 64 ? heads_for<T, 4>(gc) : heads_for<T, 8>(gc);
 }
 
+// ---- AVX512-BF16 (bf16 pools and queries) ------------------------------------------------------------
+// Above, a score costs its key's widening to fp32 (two instructions per 16 elements) and, per query head, a
+// full horizontal reduction of its 16-lane dot. Here VDPBF16PS multiplies the raw bf16 query and key (bf16
+// products are exact in fp32; the sums stay fp32, in another order) and scales the score after; four keys'
+// dot vectors are reduced together by one transposing sum (13 instructions for 4 scores, against ~8 per
+// score). The weighted sum stays fp32 FMAs, each 32 values widened as their even and odd lanes (one shift
+// or mask per 16) and interleaved back when the result is rounded.
+
+// [sum(a), sum(b), sum(c), sum(d)].
+LLMSERVE_AVX512 inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
+  const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));  // per 128-bit lane: a, b, a, b
+  const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+  const __m512 abcd = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
+                                    _mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));  // per lane: a, b, c, d
+  const __m256 half = _mm256_add_ps(_mm512_castps512_ps256(abcd), _mm512_extractf32x8_ps(abcd, 1));
+  return _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
+}
+
+LLMSERVE_AVX512_BF16 inline __m512 dot_pairs(__m512 acc, __m512i a, __m512i b) {
+  return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh&>(a), reinterpret_cast<__m512bh&>(b));
+}
+
+// query . key over 32 C bf16 elements -> 16 partial sums.
+template <int C>
+LLMSERVE_AVX512_BF16 inline __m512 dot_row(const __m512i (&query)[C], const __m512i (&key)[C]) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int c = 0; c < C; ++c) acc = dot_pairs(acc, query[c], key[c]);
+  return acc;
+}
+
+// GC query heads (D = 32 C) over one KV head, as attend_heads computes them.
+template <int C, int GC>
+LLMSERVE_AVX512_BF16 void attend_heads_bf16(const c10::BFloat16* q, float scaling, const c10::BFloat16* const* keys,
+                                            const c10::BFloat16* const* values, int64_t len, float* scores, int64_t L,
+                                            c10::BFloat16* out) {
+  constexpr int64_t D = 32 * C;
+  __m512i query[GC][C];
+  for (int g = 0; g < GC; ++g)
+    for (int c = 0; c < C; ++c) query[g][c] = _mm512_loadu_si512(q + g * D + 32 * c);
+  const __m128 scale4 = _mm_set1_ps(scaling);
+  int64_t t = 0;
+  for (; t + 4 <= len; t += 4) {
+    __m512 dots[GC][4];
+    for (int u = 0; u < 4; ++u) {
+      if (t + u + kPrefetchRows < len) prefetch_row(keys[t + u + kPrefetchRows], D);
+      __m512i key[C];
+      for (int c = 0; c < C; ++c) key[c] = _mm512_loadu_si512(keys[t + u] + 32 * c);
+      for (int g = 0; g < GC; ++g) dots[g][u] = dot_row<C>(query[g], key);
+    }
+    for (int g = 0; g < GC; ++g)
+      _mm_storeu_ps(scores + g * L + t, _mm_mul_ps(reduce4(dots[g][0], dots[g][1], dots[g][2], dots[g][3]), scale4));
+  }
+  for (; t < len; ++t) {
+    __m512i key[C];
+    for (int c = 0; c < C; ++c) key[c] = _mm512_loadu_si512(keys[t] + 32 * c);
+    for (int g = 0; g < GC; ++g) scores[g * L + t] = _mm512_reduce_add_ps(dot_row<C>(query[g], key)) * scaling;
+  }
+  for (int g = 0; g < GC; ++g) softmax_in_place(scores + g * L, len);
+  const __m512i high_half = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  __m512 even[GC][C], odd[GC][C];  // elements 32 c + 2 i and 32 c + 2 i + 1 in lane i
+  for (int g = 0; g < GC; ++g)
+    for (int c = 0; c < C; ++c) even[g][c] = odd[g][c] = _mm512_setzero_ps();
+  for (int64_t t2 = 0; t2 < len; ++t2) {
+    if (t2 + kPrefetchRows < len) prefetch_row(values[t2 + kPrefetchRows], D);
+    __m512 value_even[C], value_odd[C];
+    for (int c = 0; c < C; ++c) {
+      const __m512i pairs = _mm512_loadu_si512(values[t2] + 32 * c);
+      value_even[c] = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+      value_odd[c] = _mm512_castsi512_ps(_mm512_and_si512(pairs, high_half));
+    }
+    for (int g = 0; g < GC; ++g) {
+      const __m512 p = _mm512_set1_ps(scores[g * L + t2]);
+      for (int c = 0; c < C; ++c) {
+        even[g][c] = _mm512_fmadd_ps(p, value_even[c], even[g][c]);
+        odd[g][c] = _mm512_fmadd_ps(p, value_odd[c], odd[g][c]);
+      }
+    }
+  }
+  for (int g = 0; g < GC; ++g)
+    for (int c = 0; c < C; ++c) {
+      const __m512i pairs = _mm512_or_si512(llmserve::bf16_bits(even[g][c]),
+                                            _mm512_slli_epi32(llmserve::bf16_bits(odd[g][c]), 16));
+      _mm512_storeu_si512(out + g * D + 32 * c, pairs);
+    }
+}
+
+template <int C, int GC>
+void heads_entry_bf16(const void* q, float scaling, const void* const* keys, const void* const* values, int64_t len,
+                      float* scores, int64_t L, void* out) {
+  attend_heads_bf16<C, GC>(static_cast<const c10::BFloat16*>(q), scaling,
+                           reinterpret_cast<const c10::BFloat16* const*>(keys),
+                           reinterpret_cast<const c10::BFloat16* const*>(values), len, scores, L,
+                           static_cast<c10::BFloat16*>(out));
+}
+
+// Query heads per call: 4 x 4 dot vectors (2 x 4 for D = 128) beside the query and key registers.
+int64_t bf16_chunk(int64_t D) { return D == 128 ? 2 : 4; }
+
+HeadsFn heads_fn_bf16(int64_t D, int gc) {
+  switch (D) {
+    case 32:
+      return gc == 1 ? &heads_entry_bf16<1, 1> : gc == 2 ? &heads_entry_bf16<1, 2> : gc == 3 ? &heads_entry_bf16<1, 3>
+                                                                                              : &heads_entry_bf16<1, 4>;
+    case 64:
+      return gc == 1 ? &heads_entry_bf16<2, 1> : gc == 2 ? &heads_entry_bf16<2, 2> : gc == 3 ? &heads_entry_bf16<2, 3>
+                                                                                              : &heads_entry_bf16<2, 4>;
+    default:
+      return gc == 1 ? &heads_entry_bf16<4, 1> : &heads_entry_bf16<4, 2>;
+  }
+}
+
 bool avx512_fits(const at::Tensor& q, const at::Tensor& k_pool, int64_t D, int64_t Dv) {
   return cpu_has_avx512() && (D == 32 || D == 64 || D == 128) && Dv == D && q.scalar_type() == k_pool.scalar_type() &&
          (q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf);
 }
 
+bool avx512_bf16_fits(const at::Tensor& q) { return llmserve::cpu_has_avx512_bf16() && q.scalar_type() == at::kBFloat16; }
+
+// bf16_dot: the AVX512-BF16 variant (bf16 pools only).
 template <typename T>
 void attend_avx512(const T* q, const T* k_pool, const T* v_pool, const int64_t* slots, const int64_t* seq_lens, T* out,
-                   int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t L, float scaling) {
-  const int64_t groups = Hq / Hkv, chunk = std::min<int64_t>(groups, 16 / (D / 16));
+                   int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t L, float scaling, bool bf16_dot) {
+  const int64_t groups = Hq / Hkv, chunk = std::min<int64_t>(groups, bf16_dot ? bf16_chunk(D) : 16 / (D / 16));
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(chunk * L);
     std::vector<const void*> keys(L), values(L);
@@ -278,13 +392,15 @@ void attend_avx512(const T* q, const T* k_pool, const T* v_pool, const int64_t* 
       for (int64_t g0 = 0; g0 < groups; g0 += chunk) {
         const int gc = static_cast<int>(std::min<int64_t>(chunk, groups - g0));
         const int64_t head = b * Hq + kv_head * groups + g0;
-        heads_fn<T>(D, gc)(q + head * D, scaling, keys.data(), values.data(), len, scores.data(), L, out + head * D);
+        (bf16_dot ? heads_fn_bf16(D, gc) : heads_fn<T>(D, gc))(q + head * D, scaling, keys.data(), values.data(), len,
+                                                               scores.data(), L, out + head * D);
       }
     }
   });
 }
 
-// isa: 0 = AVX-512 where it fits (CPU, dtypes, head size), else AVX2; 1 = AVX2; 2 = AVX-512 (or an error).
+// isa: 0 = the best that fits (AVX512-BF16 for bf16 on CPUs with it, else AVX-512 where CPU, dtypes and head size
+// fit, else AVX2); 1 = AVX2; 2 = AVX-512 without VDPBF16PS; 3 = AVX512-BF16 (2 and 3: or an error).
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                             const at::Tensor& slots, const at::Tensor& seq_lens, double scaling, int64_t isa) {
   TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 3 && v_pool.dim() == 3, "decode_attention: q, k_pool, v_pool must be 3-D");
@@ -300,20 +416,23 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b)
     TORCH_CHECK(lens[b] > 0 && lens[b] <= L, "decode_attention: seq_lens[", b, "] = ", lens[b], " outside 1..", L);
-  TORCH_CHECK(isa >= 0 && isa <= 2, "decode_attention: isa must be 0 (auto), 1 (avx2) or 2 (avx512)");
+  TORCH_CHECK(isa >= 0 && isa <= 3, "decode_attention: isa must be 0 (auto), 1 (avx2), 2 (avx512) or 3 (avx512_bf16)");
   auto out = at::empty({B, Hq, Dv}, q.options());
   const bool avx512 = isa != 1 && avx512_fits(q, k_pool, D, Dv);
-  TORCH_CHECK(isa != 2 || avx512, "decode_attention: the AVX-512 path needs AVX-512 F/BW/VL/DQ, bfloat16 or float16 "
+  TORCH_CHECK(isa < 2 || avx512, "decode_attention: the AVX-512 paths need AVX-512 F/BW/VL/DQ, bfloat16 or float16 "
               "q and pools alike, and head sizes 32, 64 or 128 for K and V alike");
+  const bool bf16_dot = avx512 && (isa == 0 || isa == 3) && avx512_bf16_fits(q);
+  TORCH_CHECK(isa != 3 || bf16_dot, "decode_attention: the AVX512-BF16 path needs AVX512-BF16 and bfloat16 q and pools");
   if (avx512) {
     if (q.scalar_type() == at::kBFloat16)
       attend_avx512<c10::BFloat16>(q.data_ptr<c10::BFloat16>(), k_pool.data_ptr<c10::BFloat16>(),
                                    v_pool.data_ptr<c10::BFloat16>(), slots.data_ptr<int64_t>(), lens,
-                                   out.data_ptr<c10::BFloat16>(), B, Hq, Hkv, D, L, static_cast<float>(scaling));
+                                   out.data_ptr<c10::BFloat16>(), B, Hq, Hkv, D, L, static_cast<float>(scaling),
+                                   bf16_dot);
     else
       attend_avx512<c10::Half>(q.data_ptr<c10::Half>(), k_pool.data_ptr<c10::Half>(), v_pool.data_ptr<c10::Half>(),
                                slots.data_ptr<int64_t>(), lens, out.data_ptr<c10::Half>(), B, Hq, Hkv, D, L,
-                               static_cast<float>(scaling));
+                               static_cast<float>(scaling), false);
     return out;
   }
   llmserve::dispatch_float(k_pool.scalar_type(), "decode_attention", [&](auto cache_zero) {
@@ -329,6 +448,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const
 }
 
 bool decode_attention_avx512_available() { return cpu_has_avx512(); }
+bool decode_attention_avx512_bf16_available() { return llmserve::cpu_has_avx512_bf16(); }
 
 }  // namespace
 
@@ -342,6 +462,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const
 
 TORCH_LIBRARY_FRAGMENT(llmserve_cpu, m) {
   m.def("decode_attention_avx512_available() -> bool", &decode_attention_avx512_available);
+  m.def("decode_attention_avx512_bf16_available() -> bool", &decode_attention_avx512_bf16_available);
   m.def("decode_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor slots, Tensor seq_lens, float scaling, "
         "int isa=0) -> Tensor");
 }

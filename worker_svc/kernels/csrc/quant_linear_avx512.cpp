@@ -55,9 +55,8 @@
 namespace {
 
 using llmserve::cpu_has_avx512;
+using llmserve::cpu_has_avx512_bf16;
 using llmserve::to_bf16;
-
-#define LLMSERVE_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
 
 constexpr int64_t kOut = 16;      // outputs per group: one zmm of fp32 sums
 
@@ -70,11 +69,6 @@ constexpr int64_t kPrefetchL2Bytes = 2048;
 inline void prefetch_ahead(const void* p) {
   _mm_prefetch(static_cast<const char*>(p) + kPrefetchL1Bytes, _MM_HINT_T0);
   _mm_prefetch(static_cast<const char*>(p) + kPrefetchL2Bytes, _MM_HINT_T1);
-}
-
-bool cpu_has_avx512_bf16() {
-  static const bool has = cpu_has_avx512() && __builtin_cpu_supports("avx512bf16");
-  return has;
 }
 
 enum class Kind : int { f32 = 0, bf16 = 1, f16 = 2 };
