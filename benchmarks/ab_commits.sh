@@ -7,7 +7,8 @@
 #
 # REPEATS=N (default 1) measures each batch size N times per run (--repeats): one 128-token prefill
 # takes ~0.1 s, so a single one per run is noisy. EXTRA_FLAGS are passed to both sides (e.g.
-# "--cpu-bf16-linear aten" to hold a later kernel change out of the comparison).
+# "--cpu-bf16-linear aten" to hold a later kernel change out of the comparison). BATCHES (default "1 16") and
+# INPUT_LEN (default 128) change the shapes.
 set -euo pipefail
 base_rev=${1:?usage: benchmarks/ab_commits.sh BASE_REV MODEL [ROUNDS]}
 model=$(realpath "${2:?model folder}")
@@ -22,16 +23,16 @@ for round in $(seq "$rounds"); do
     for side in $order; do
         src=$root; [ "$side" = base ] && src=$work/base
         (cd "$src" && PYTHONPATH=$src "$root/.venv/bin/python" -m llmserve.cli bench-one-batch --model "$model" \
-            --dtype bfloat16 --batch-size 1 16 --input-len 128 --output-len 16 --threads 2 \
-            --max-total-tokens 2400 --repeats "$repeats" ${EXTRA_FLAGS:-} --result-file "$work/${side}_${round}.json" >/dev/null 2>&1)
+            --dtype bfloat16 --batch-size ${BATCHES:-1 16} --input-len "${INPUT_LEN:-128}" --output-len 16 --threads 2 \
+            --max-total-tokens $(( (${INPUT_LEN:-128} + 16) * 64 + 64 )) --repeats "$repeats" ${EXTRA_FLAGS:-} --result-file "$work/${side}_${round}.json" >/dev/null 2>&1)
     done
 done
-"$root/.venv/bin/python" - "$work" "$rounds" <<'PY'
+"$root/.venv/bin/python" - "$work" "$rounds" ${BATCHES:-1 16} <<'PY'
 import json, statistics, sys
-work, rounds = sys.argv[1], int(sys.argv[2])
+work, rounds, batches = sys.argv[1], int(sys.argv[2]), [int(b) for b in sys.argv[3:]]
 for side in ("base", "head"):
     results = [result for r in range(1, rounds + 1) for result in json.load(open(f"{work}/{side}_{r}.json"))]
-    for bs in (1, 16):
+    for bs in batches:
         mine = [r for r in results if r["batch_size"] == bs]
         steps = [r["median_decode_latency"] * 1e3 for r in mine]
         prefill = [r["prefill_throughput"] for r in mine]
