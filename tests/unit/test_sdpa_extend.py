@@ -36,6 +36,8 @@ def _ops_run(fn) -> set[str]:
     [
         (33, 0, 9, 3, 64, 64),  # causal, GQA (SmolLM2's heads)
         (17, 40, 4, 4, 32, 32),  # a chunk over a cached prefix: mask
+        (16, 48, 9, 3, 64, 64),  # the same with GQA: query heads folded into rows
+        (5, 30, 8, 1, 32, 32),  # MQA
         (20, 0, 4, 4, 48, 32),  # MLA: keys wider than values
         (9, 25, 4, 4, 48, 32),
     ],
