@@ -24,6 +24,11 @@ inline bool cpu_has_avx512_bf16() {
   return has;
 }
 
+// VDPBF16PS: acc + the pairwise products of a and b's 32 bf16 (pairs summed into 16 fp32 lanes).
+LLMSERVE_AVX512_BF16 inline __m512 dot_bf16(__m512 acc, __m512i a, __m512i b) {
+  return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh&>(a), reinterpret_cast<__m512bh&>(b));
+}
+
 // 16 fp32 -> their bf16 bits in the low half of each 32-bit lane, rounded to nearest even as c10::BFloat16
 // rounds (NaN -> 0x7FC0).
 LLMSERVE_AVX512 inline __m512i bf16_bits(__m512 v) {

@@ -275,15 +275,11 @@ LLMSERVE_AVX512 inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
   return _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
 }
 
-LLMSERVE_AVX512_BF16 inline __m512 dot_pairs(__m512 acc, __m512i a, __m512i b) {
-  return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh&>(a), reinterpret_cast<__m512bh&>(b));
-}
-
 // query . key over 32 C bf16 elements -> 16 partial sums.
 template <int C>
 LLMSERVE_AVX512_BF16 inline __m512 dot_row(const __m512i (&query)[C], const __m512i (&key)[C]) {
   __m512 acc = _mm512_setzero_ps();
-  for (int c = 0; c < C; ++c) acc = dot_pairs(acc, query[c], key[c]);
+  for (int c = 0; c < C; ++c) acc = llmserve::dot_bf16(acc, query[c], key[c]);
   return acc;
 }
 

@@ -56,6 +56,7 @@ namespace {
 
 using llmserve::cpu_has_avx512;
 using llmserve::cpu_has_avx512_bf16;
+using llmserve::dot_bf16;
 using llmserve::to_bf16;
 
 constexpr int64_t kOut = 16;      // outputs per group: one zmm of fp32 sums
@@ -139,10 +140,6 @@ LLMSERVE_AVX512 void group_sums(const float* x, int64_t groups, int64_t group, f
     for (; k < group; ++k) sum += g[k];
     dst[q] = sum;
   }
-}
-
-LLMSERVE_AVX512_BF16 inline __m512 dot_bf16(__m512 acc, __m512i w, __m512i x) {
-  return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh&>(w), reinterpret_cast<__m512bh&>(x));
 }
 
 // Where a tile writes: out [rows, ldo] in `kind`, plus bias [ldo] in bias_kind when bias is not null.

@@ -22,7 +22,7 @@ namespace {
 
 using llmserve::load8;
 using llmserve::round_through;
-using llmserve::to16;
+using llmserve::store8;
 
 template <typename T>
 void rotate_row(const T* x, const T* cos, const T* sin, int64_t D, T* out) {
@@ -35,8 +35,8 @@ void rotate_row(const T* x, const T* cos, const T* sin, int64_t D, T* out) {
     const __m256 neg_x2 = _mm256_xor_ps(x2, _mm256_set1_ps(-0.f));
     const __m256 lo = _mm256_add_ps(round_through<T>(_mm256_mul_ps(x1, c1)), round_through<T>(_mm256_mul_ps(neg_x2, s1)));
     const __m256 hi = _mm256_add_ps(round_through<T>(_mm256_mul_ps(x2, c2)), round_through<T>(_mm256_mul_ps(x1, s2)));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + d), to16(lo, T{}));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + half + d), to16(hi, T{}));
+    store8(out + d, lo);
+    store8(out + half + d, hi);
   }
   for (; d < half; ++d) {  // head sizes that are not a multiple of 16
     const float x1 = static_cast<float>(x[d]), x2 = static_cast<float>(x[half + d]);
