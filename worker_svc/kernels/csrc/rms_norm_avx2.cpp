@@ -27,11 +27,6 @@ using llmserve::load8;
 using llmserve::round_through;
 using llmserve::store8;
 
-template <typename T>
-inline T round_to(float v) {
-  return static_cast<T>(v);
-}
-
 // row_out = weight * cast(row * rsqrt(mean(row^2) + eps)), row in fp32 (already rounded to T).
 template <typename T>
 void normalize_row(const float* row, const T* weight, int64_t H, float eps, T* out) {
