@@ -132,7 +132,7 @@ class _Plan:
     logprobs: bool
     top_logprobs: int
     context: grpc.aio.ServicerContext
-    received: float = field(default_factory=time.monotonic)
+    received: float  # monotonic time the call reached the router: TTFT and E2E count tokenizing too
 
     def remaining(self) -> float | None:
         return self.context.time_remaining()
@@ -627,7 +627,9 @@ class RouterServicer:
         validate_request_id(header_id, limits, REQUEST_ID_HEADER)
         return body_id or header_id or uuid.uuid4().hex
 
-    def _plan(self, request_id: str, prompt_ids: list[int], sp: pb.SamplingParams, facts: ModelFacts, context) -> _Plan:
+    def _plan(
+        self, request_id: str, prompt_ids: list[int], sp: pb.SamplingParams, facts: ModelFacts, context, received: float
+    ) -> _Plan:
         wsp = spb.SamplingParams(
             temperature=sp.temperature if sp.HasField("temperature") else 1.0,
             top_p=sp.top_p or 1.0,
@@ -674,6 +676,7 @@ class RouterServicer:
             logprobs=want_logprobs,
             top_logprobs=sp.top_logprobs,
             context=context,
+            received=received,
         )
 
     def _check_limits(self, model: str, sp: pb.SamplingParams) -> None:
@@ -681,7 +684,7 @@ class RouterServicer:
         validate_model_name(model, limits)
         check_sampling_limits(sp.n, sp.stop, sp.stop_token_ids, limits)
 
-    async def _plan_generate(self, request: pb.GenerateRequest, request_id: str, context) -> _Plan:
+    async def _plan_generate(self, request: pb.GenerateRequest, request_id: str, context, received: float) -> _Plan:
         sp = request.sampling_params
         self._check_limits(request.model, sp)
         facts = self._require_facts()
@@ -710,9 +713,9 @@ class RouterServicer:
         check_fits(len(ids), sp, facts, field_name)
         if self.options.log_prompts:
             log.info("prompt", text=text, token_ids=ids if not text else None)
-        return self._plan(request_id, ids, sp, facts, context)
+        return self._plan(request_id, ids, sp, facts, context, received)
 
-    async def _plan_chat(self, request: pb.ChatRequest, request_id: str, context) -> _Plan:
+    async def _plan_chat(self, request: pb.ChatRequest, request_id: str, context, received: float) -> _Plan:
         sp = request.sampling_params
         self._check_limits(request.model, sp)
         check_messages(len(request.messages), self.options.limits)
@@ -739,7 +742,7 @@ class RouterServicer:
         check_fits(len(ids), sp, facts, "messages")
         if self.options.log_prompts:
             log.info("prompt", text=enc.prompt_text)
-        return self._plan(request_id, ids, sp, facts, context)
+        return self._plan(request_id, ids, sp, facts, context, received)
 
     # ---- streaming -------------------------------------------------------------------------------
 
@@ -805,6 +808,7 @@ class RouterServicer:
         return current_identity() or ANONYMOUS
 
     async def _serve_stream(self, planner, request, context, rpc: str) -> AsyncIterator[pb.GenerateResponse]:
+        received = time.monotonic()
         if isinstance(request, InvalidRequest):
             log.info("rejected", rpc=rpc, code="INVALID_ARGUMENT", error=request.message)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
@@ -816,7 +820,7 @@ class RouterServicer:
         with request_context(request_id, rpc=rpc):
             try:
                 with self.admission.admit(self._identity(context)):
-                    plan = await planner(request, request_id, context)
+                    plan = await planner(request, request_id, context, received)
                     async for resp in self._stream(plan):
                         yield resp
             except RouterError as exc:

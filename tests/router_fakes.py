@@ -15,6 +15,7 @@ from smg_grpc_proto import sglang_scheduler_pb2 as spb
 from smg_grpc_proto import sglang_scheduler_pb2_grpc as spb_grpc
 
 from llmserve.grpc_server import ServiceHealth
+from llmserve.metrics import RouterMetrics
 from llmserve.v1 import tokenizer_pb2_grpc as tpb_grpc
 from llmserve.worker_protocol import sample_label
 from router.client import AsyncRouterClient
@@ -161,8 +162,10 @@ async def _start_watched_tokenizer(servicer: TokenizerServicer) -> tuple[grpc.ai
 
 @contextlib.asynccontextmanager
 async def fake_cluster(tok_dir: Path, workers: list[FakeWorker], policy: str = "round_robin",
-                       tokenizer_servicer: TokenizerServicer | None = None, **options):
-    """`tokenizer_servicer`: serve the tokenizer with this servicer (e.g. a WatchedTokenizer)."""
+                       tokenizer_servicer: TokenizerServicer | None = None, metrics: RouterMetrics | None = None,
+                       **options):
+    """`tokenizer_servicer`: serve the tokenizer with this servicer (e.g. a WatchedTokenizer);
+    `metrics`: the router's metric set."""
     if tokenizer_servicer is None:
         tokenizer = await start_tokenizer(tok_dir, "127.0.0.1", 0)
         tok_server, tok_port = tokenizer.server, tokenizer.port
@@ -176,7 +179,7 @@ async def fake_cluster(tok_dir: Path, workers: list[FakeWorker], policy: str = "
         await server.start()
         servers.append(server)
     router = await start_router(RouterOptions(tokenizer=f"127.0.0.1:{tok_port}", workers=addrs, policy=policy,
-                                              probe_interval=0.1, **options))
+                                              probe_interval=0.1, **options), metrics=metrics)
     client = AsyncRouterClient(f"127.0.0.1:{router.port}", timeout=TIMEOUT)
     try:
         for _ in range(200):

@@ -12,6 +12,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from llmserve.metrics import RouterMetrics
 from tests.router_fakes import FakeWorker, WatchedTokenizer, fake_cluster
 from tokenizer_svc.tokenizer import ModelTokenizer
 
@@ -324,5 +325,25 @@ def test_a_tokenizer_service_back_with_another_tokenizer_is_read_again(
                 assert (await client.complete("hi", max_new_tokens=50))[0].text == other.decode(ids)
             finally:
                 await server.stop(0)
+
+    _run(scenario)
+
+
+def test_ttft_and_e2e_count_the_time_spent_tokenizing(tok_dir: Path, tok: ModelTokenizer) -> None:
+    """The router's TTFT and E2E start when the call arrives, not once the prompt is tokenized (they
+    used to start after Encode, so a slow tokenizer service never showed in the router's latencies)."""
+    ids = _pieces(tok, "one two three")
+    delay_s = 0.3
+
+    async def scenario() -> None:
+        metrics = RouterMetrics.create()
+        watched = WatchedTokenizer(tok_dir, encode_delay_s=delay_s)
+        async with fake_cluster(tok_dir, [FakeWorker([[ids]], step_s=0.0)], tokenizer_servicer=watched,
+                                metrics=metrics) as (client, _):
+            await client.complete("hi", max_new_tokens=50)
+        value = metrics.registry.get_sample_value
+        assert value("llmserve:time_to_first_token_seconds_count") == 1
+        assert value("llmserve:time_to_first_token_seconds_sum") >= delay_s
+        assert value("llmserve:e2e_request_latency_seconds_sum") >= delay_s
 
     _run(scenario)
