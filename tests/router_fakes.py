@@ -40,6 +40,7 @@ class FakeWorker(spb_grpc.SglangSchedulerServicer):
         self.script, self.finish, self.matched, self.fail, self.step_s = script, finish, matched, fail, step_s
         self.requests: list[spb.GenerateRequest] = []
         self.metadata: list[dict] = []
+        self.time_remaining: list[float | None] = []  # the deadline each Generate call arrived with
         self.aborts: list[str] = []
 
     async def GetModelInfo(self, request, context):  # noqa: N802
@@ -59,6 +60,7 @@ class FakeWorker(spb_grpc.SglangSchedulerServicer):
     async def Generate(self, request, context) -> AsyncIterator[spb.GenerateResponse]:  # noqa: N802
         self.requests.append(request)
         self.metadata.append(dict(context.invocation_metadata()))
+        self.time_remaining.append(context.time_remaining())
         rid = request.request_id
         if self.fail == "first":
             await context.abort(grpc.StatusCode.UNAVAILABLE, "scripted failure")
