@@ -1,9 +1,9 @@
 """Router native-memory growth per client cancel, two source trees side by side: a router from an
 earlier commit (a git worktree, removed afterwards) and one from this tree, in front of one tiny-model
-worker, both driven with streams the client cancels 0-30 ms in; prints each router's anonymous RSS
-every 30 s (docs/reliability.md, "Soak").
+worker, both driven with one kind of request (default: streams the client cancels 0-30 ms in); prints
+each router's anonymous RSS every 30 s (docs/reliability.md, "Soak").
 
-    .venv/bin/python benchmarks/router_rss_ab.py BASE_REV MINUTES CONCURRENCY   # from the repo root
+    .venv/bin/python benchmarks/router_rss_ab.py BASE_REV MINUTES CONCURRENCY [KIND]   # from the repo root
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from tests.integration.test_router import engine_flags, spawn  # noqa: E402
 
 def main() -> None:
     base_rev, minutes, concurrency = sys.argv[1], float(sys.argv[2]), int(sys.argv[3])
+    kind = sys.argv[4] if len(sys.argv) > 4 else "cancel"  # a kind of benchmarks/router_rss_by_request_kind.py
     work = Path(tempfile.mkdtemp())
     base = work / "base"
     subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(base), base_rev], check=True,
@@ -40,7 +41,7 @@ def main() -> None:
         routers = [start_router("base", tokenizer, worker, work, deadline, source=base),
                    start_router("this", tokenizer, worker, work, deadline, source=ROOT)]
         procs += routers
-        asyncio.run(measure(routers, ["cancel", "cancel"], minutes, concurrency))
+        asyncio.run(measure(routers, [kind, kind], minutes, concurrency))
     finally:
         for p in procs:
             p.proc.terminate()

@@ -1,8 +1,9 @@
-"""Router native-memory growth by request kind (issue 11 soak): three routers side by side in front of
-one tiny-model worker, each driven with one kind of request (plain streams, streams the client
-cancels 0-30 ms in, Tokenize calls), printing each router's anonymous RSS every 30 s.
+"""Router native-memory growth by request kind (issue 11 soak): routers side by side in front of one
+tiny-model worker, each driven with one kind of request, printing each router's anonymous RSS every
+30 s. Kinds: plain streams, streams the client cancels 0-30 ms in, Tokenize calls, and the soak's
+others: streams under a 20-300 ms client deadline, n = 3, 200-token id prompts.
 
-    .venv/bin/python benchmarks/router_rss_by_request_kind.py MINUTES CONCURRENCY   # from the repo root
+    .venv/bin/python benchmarks/router_rss_by_request_kind.py MINUTES CONCURRENCY [KIND ...]   # from the repo root
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from llmserve.modelgen import make_model  # noqa: E402
 from router.client import AsyncRouterClient  # noqa: E402
 from tests.integration.test_router import Proc, engine_flags, spawn  # noqa: E402
 
-KINDS = ("stream", "cancel", "unary")
+KINDS = ("stream", "cancel", "unary", "deadline", "n3", "long")
 PROMPT = "Once upon a time"
 
 
@@ -55,12 +56,19 @@ def start_router(name: str, tokenizer: Proc, worker: Proc, work: Path, deadline:
 
 
 async def one(client: AsyncRouterClient, kind: str, rng: random.Random) -> None:
-    async def consume() -> None:
-        async for _ in client.generate(PROMPT, max_new_tokens=16, ignore_eos=True):
+    async def consume(prompt: str | list[int] = PROMPT, timeout: float = 60.0, **args) -> None:
+        async for _ in client.generate(prompt, max_new_tokens=16, ignore_eos=True, timeout=timeout, **args):
             pass
 
     if kind == "stream":
         await consume()
+    elif kind == "deadline":
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            await consume(timeout=rng.uniform(0.02, 0.3))
+    elif kind == "n3":
+        await consume(n=3, temperature=0.8)
+    elif kind == "long":
+        await consume([rng.randrange(500) for _ in range(200)])
     elif kind == "cancel":
         task = asyncio.ensure_future(consume())
         await asyncio.sleep(rng.uniform(0, 0.03))
@@ -101,6 +109,7 @@ async def measure(routers: list[Proc], kinds: list[str], minutes: float, concurr
 
 def main() -> None:
     minutes, concurrency = float(sys.argv[1]), int(sys.argv[2])
+    kinds = sys.argv[3:] or list(KINDS)
     work = Path(tempfile.mkdtemp())
     model = make_model(work / "m", arch="llama", preset="tiny", seed=0)
     tokenizer = spawn("tokenizer", ["tokenizer", "--model", str(model)], work)
@@ -110,9 +119,9 @@ def main() -> None:
         deadline = time.monotonic() + 120
         tokenizer.wait_port(deadline)
         worker.wait_port(deadline)
-        routers = [start_router(kind, tokenizer, worker, work, deadline) for kind in KINDS]
+        routers = [start_router(kind, tokenizer, worker, work, deadline) for kind in kinds]
         procs += routers
-        asyncio.run(measure(routers, list(KINDS), minutes, concurrency))
+        asyncio.run(measure(routers, kinds, minutes, concurrency))
     finally:
         for p in procs:
             p.proc.terminate()
