@@ -110,22 +110,22 @@ def linear_bandwidth(runner: ModelRunner, rounds: int = 9, repeats: int = 5) -> 
     def median(key: str) -> float:
         return statistics.median(r[key] for r in per_round)
 
-    def share(key: str) -> float:
-        return statistics.median(nbytes / r[key] / 1e9 / r["host_read_gbs"] for r in per_round)
+    def shares(key: str) -> list[float]:  # per round: the linears' GB/s over the probe's
+        return [nbytes / r[key] / 1e9 / r["host_read_gbs"] for r in per_round]
 
     result: dict[str, Any] = {
         "linears": len(linears), "weight_bytes": nbytes, "rounds": rounds,
         "host_read_gbs": median("host_read_gbs"),
         "linears_ms": median("linears_s") * 1e3, "linears_gbs": nbytes / median("linears_s") / 1e9,
-        "fraction_of_host": share("linears_s"),
+        "fraction_of_host": statistics.median(shares("linears_s")),
         "host_read_gbs_range": [min(r["host_read_gbs"] for r in per_round), max(r["host_read_gbs"] for r in per_round)],
     }
     if fused is not None:
         result["fused_linears_ms"] = median("fused_linears_s") * 1e3
         result["fused_linears_gbs"] = nbytes / median("fused_linears_s") / 1e9
-        result["fused_fraction_of_host"] = share("fused_linears_s")
-        shares = [nbytes / r["fused_linears_s"] / 1e9 / r["host_read_gbs"] for r in per_round]
-        result["fused_fraction_range"] = [min(shares), max(shares)]
+        fused_shares = shares("fused_linears_s")
+        result["fused_fraction_of_host"] = statistics.median(fused_shares)
+        result["fused_fraction_range"] = [min(fused_shares), max(fused_shares)]
     return result
 
 
