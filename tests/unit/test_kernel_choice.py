@@ -9,7 +9,7 @@ import torch
 from worker_svc.attention.torch_native import TorchNativeAttentionBackend
 from worker_svc.attention.torch_native_mla import TorchNativeMLABackend
 from worker_svc.config.engine_config import EngineConfig
-from worker_svc.executor.kernel_choice import apply_kernels, attention_backend, choose_kernels
+from worker_svc.executor.kernel_choice import DECODE_ATTENTION_ISAS, apply_kernels, attention_backend, choose_kernels
 from worker_svc.executor.quantize import QuantConfigError, parse_quant_config
 from worker_svc.kernels import cpu_ext
 from worker_svc.kernels.bf16_linear import BlockedUpcastLinear, fbgemm_available
@@ -20,8 +20,8 @@ CPU = torch.device("cpu")
 NONE = parse_quant_config("none")
 
 
-def _plan(dtype=torch.bfloat16, mla=False, quant=NONE, **kw):
-    return choose_kernels(EngineConfig(model_path="unused", **kw), quant, mla, CPU, dtype)
+def _plan(dtype=torch.bfloat16, mla=False, quant=NONE, head_dim=64, **kw):
+    return choose_kernels(EngineConfig(model_path="unused", **kw), quant, mla, CPU, dtype, head_dim=head_dim)
 
 
 def _has_avx512_bf16() -> bool:
@@ -105,6 +105,29 @@ def test_attention_follows_the_model_kind_and_the_cpu_kernels():
     assert mla.attention_decode == "normal"
     backend = attention_backend(mla)
     assert isinstance(backend, TorchNativeMLABackend) and backend.mla_decode == "normal"
+
+
+@pytest.mark.skipif(cpu_ext.load() is None, reason="the C++ kernels do not load on this host")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("head_dim", [48, 64, 96, 128])
+def test_the_plan_names_the_decode_attention_code_that_runs(dtype, head_dim):
+    """The plan asks the kernel's own auto choice, head size included: the AVX-512 paths take heads of 32,
+    64 and 128 only, so a bf16 model with heads of 96 runs (and is logged as) the AVX2 code. The auto
+    call's output is bit-identical to the named path's forced one (each path rounds its own way)."""
+    ops = cpu_ext.load()
+    named = _plan(dtype, head_dim=head_dim).describe()["attention_decode_isa"]
+    if head_dim in (48, 96) or dtype == torch.float32:
+        assert named == "avx2"
+    torch.manual_seed(0)
+    pool_rows, heads, kv_heads = 40, 6, 2
+    q = torch.randn(3, heads, head_dim).to(dtype)
+    k_pool = torch.randn(pool_rows, kv_heads, head_dim).to(dtype)
+    v_pool = torch.randn(pool_rows, kv_heads, head_dim).to(dtype)
+    slots = torch.randperm(pool_rows)[:36].view(3, 12)
+    seq_lens = torch.tensor([12, 5, 9])
+    isa = {name: number for number, name in DECODE_ATTENTION_ISAS.items()}[named]
+    auto = ops.decode_attention(q, k_pool, v_pool, slots, seq_lens, head_dim**-0.5)
+    assert torch.equal(auto, ops.decode_attention(q, k_pool, v_pool, slots, seq_lens, head_dim**-0.5, isa))
 
 
 def test_quant_kernels_only_when_quantizing():

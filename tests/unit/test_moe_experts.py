@@ -97,7 +97,7 @@ def test_the_plan_picks_grouped_experts_only_where_they_can_run():
 
     def plan(device: str, quant=none, **kw):
         return choose_kernels(EngineConfig(model_path="unused", **kw), quant, True, torch.device(device),
-                              torch.bfloat16).moe_experts
+                              torch.bfloat16, head_dim=64).moe_experts
 
     assert plan("cpu") == "loop"
     assert plan("cuda") == "grouped"  # chosen from the device alone: nothing runs on it here

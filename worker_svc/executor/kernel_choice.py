@@ -160,8 +160,16 @@ def _moe_experts(engine_config: EngineConfig, quant: QuantConfig, device: torch.
 
 
 def choose_kernels(
-    engine_config: EngineConfig, quant: QuantConfig, mla: bool, device: torch.device, dtype: torch.dtype
+    engine_config: EngineConfig,
+    quant: QuantConfig,
+    mla: bool,
+    device: torch.device,
+    dtype: torch.dtype,
+    *,
+    head_dim: int,
 ) -> KernelPlan:
+    """``head_dim``: the attention head size (per-head K and V of a non-MLA model), which decides the decode
+    attention's code path."""
     on_cpu = device.type == "cpu"
     quantized_on_cpu = on_cpu and quant.method != "none"
     cpu_ops = cpu_ext.load() if on_cpu else None
@@ -177,7 +185,7 @@ def choose_kernels(
         moe_experts=_moe_experts(engine_config, quant, device),
         quant_kernel=quant_kernel,
         amx=cpu_ops is not None and bool(cpu_ops.quant_amx_available()),  # type: ignore[attr-defined]
-        attention_isa=_decode_attention_isa(cpu_ops, dtype),
+        attention_isa=_decode_attention_isa(cpu_ops, dtype, head_dim),
         deterministic=engine_config.deterministic_inference,
         fp32_row_padding=(probe_row_padding(device)
                           if engine_config.deterministic_inference and on_cpu and dtype == torch.float32 else None),
@@ -186,13 +194,15 @@ def choose_kernels(
     return plan
 
 
-def _decode_attention_isa(cpu_ops: object | None, dtype: torch.dtype) -> str:
-    """What decode_attention's auto choice runs for this pool dtype (kernels/csrc/decode_attention_avx2.cpp)."""
-    if cpu_ops is None or dtype not in (torch.bfloat16, torch.float16):
+DECODE_ATTENTION_ISAS = {1: "avx2", 2: "avx512", 3: "avx512_bf16"}  # decode_attention's isa argument
+
+
+def _decode_attention_isa(cpu_ops: object | None, dtype: torch.dtype, head_dim: int) -> str:
+    """The code decode_attention's auto choice runs for this pool dtype and head size, as the kernel itself
+    decides it (kernels/csrc/decode_attention_avx2.cpp, ``auto_isa``); K and V heads are one size here."""
+    if cpu_ops is None:
         return "avx2"
-    if dtype == torch.bfloat16 and cpu_ops.decode_attention_avx512_bf16_available():  # type: ignore[attr-defined]
-        return "avx512_bf16"
-    return "avx512" if cpu_ops.decode_attention_avx512_available() else "avx2"  # type: ignore[attr-defined]
+    return DECODE_ATTENTION_ISAS[int(cpu_ops.decode_attention_auto_isa(dtype, head_dim, head_dim))]  # type: ignore[attr-defined]
 
 
 def apply_kernels(model: nn.Module, plan: KernelPlan) -> None:

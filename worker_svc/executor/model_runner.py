@@ -103,7 +103,8 @@ class ModelRunner:
         quant = parse_quant_config(engine_config.torchao_config)
         check_runnable(quant, self.device)  # fail before reading any weights
         self.kernels = choose_kernels(
-            engine_config, quant, self.model_config.deepseek is not None, self.device, self.dtype
+            engine_config, quant, self.model_config.deepseek is not None, self.device, self.dtype,
+            head_dim=self.model_config.head_dim,
         )
         self.model = self._load_model(quant, self.kernels)
         # Two-batch overlap drives the decoder's stages itself (executor/two_batch.py).

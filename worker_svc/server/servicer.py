@@ -32,7 +32,7 @@ from typing import Any
 
 import grpc
 import structlog
-from google.protobuf import json_format, message_factory
+from google.protobuf import message_factory
 from smg_grpc_proto import sglang_scheduler_pb2 as pb
 from smg_grpc_proto import sglang_scheduler_pb2_grpc as pb_grpc
 from smg_grpc_proto.generated import common_pb2
@@ -212,9 +212,9 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
             structlog.contextvars.bind_contextvars(client_request_id=client_id[:256])
         self.last_receive_time = time.time()
         received = time.monotonic()
-        log.debug(
+        log.debug(  # the message itself: a renderer formats it only when debug lines are kept
             "generate request",
-            sampling_params=json_format.MessageToDict(request.sampling_params, preserving_proto_field_name=True),
+            sampling_params=request.sampling_params,
             return_logprob=request.return_logprob,
             top_logprobs_num=request.top_logprobs_num,
             stream=request.stream,

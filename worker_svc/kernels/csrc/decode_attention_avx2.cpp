@@ -364,12 +364,19 @@ HeadsFn heads_fn_bf16(int64_t D, int gc) {
   }
 }
 
-bool avx512_fits(const at::Tensor& q, const at::Tensor& k_pool, int64_t D, int64_t Dv) {
-  return cpu_has_avx512() && (D == 32 || D == 64 || D == 128) && Dv == D && q.scalar_type() == k_pool.scalar_type() &&
-         (q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf);
+bool avx512_fits(at::ScalarType q, at::ScalarType cache, int64_t D, int64_t Dv) {
+  return cpu_has_avx512() && (D == 32 || D == 64 || D == 128) && Dv == D && q == cache &&
+         (q == at::kBFloat16 || q == at::kHalf);
 }
 
-bool avx512_bf16_fits(const at::Tensor& q) { return llmserve::cpu_has_avx512_bf16() && q.scalar_type() == at::kBFloat16; }
+bool avx512_bf16_fits(at::ScalarType q) { return llmserve::cpu_has_avx512_bf16() && q == at::kBFloat16; }
+
+// The path isa 0 (auto) runs for these dtypes and head sizes: 1 = AVX2, 2 = AVX-512, 3 = AVX512-BF16. The kernel
+// and the start-up kernel plan both ask this, so the plan names the code that runs.
+int64_t auto_isa(at::ScalarType q, at::ScalarType cache, int64_t D, int64_t Dv) {
+  if (!avx512_fits(q, cache, D, Dv)) return 1;
+  return avx512_bf16_fits(q) ? 3 : 2;
+}
 
 // bf16_dot: the AVX512-BF16 variant (bf16 pools only).
 template <typename T>
@@ -414,11 +421,12 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const
     TORCH_CHECK(lens[b] > 0 && lens[b] <= L, "decode_attention: seq_lens[", b, "] = ", lens[b], " outside 1..", L);
   TORCH_CHECK(isa >= 0 && isa <= 3, "decode_attention: isa must be 0 (auto), 1 (avx2), 2 (avx512) or 3 (avx512_bf16)");
   auto out = at::empty({B, Hq, Dv}, q.options());
-  const bool avx512 = isa != 1 && avx512_fits(q, k_pool, D, Dv);
+  const bool avx512 = isa != 1 && avx512_fits(q.scalar_type(), k_pool.scalar_type(), D, Dv);
   TORCH_CHECK(isa < 2 || avx512, "decode_attention: the AVX-512 paths need AVX-512 F/BW/VL/DQ, bfloat16 or float16 "
               "q and pools alike, and head sizes 32, 64 or 128 for K and V alike");
-  const bool bf16_dot = avx512 && (isa == 0 || isa == 3) && avx512_bf16_fits(q);
-  TORCH_CHECK(isa != 3 || bf16_dot, "decode_attention: the AVX512-BF16 path needs AVX512-BF16 and bfloat16 q and pools");
+  const bool bf16_dot = isa == 3 || (isa == 0 && auto_isa(q.scalar_type(), k_pool.scalar_type(), D, Dv) == 3);
+  TORCH_CHECK(isa != 3 || avx512_bf16_fits(q.scalar_type()),
+              "decode_attention: the AVX512-BF16 path needs AVX512-BF16 and bfloat16 q and pools");
   if (avx512) {
     if (q.scalar_type() == at::kBFloat16)
       attend_avx512<c10::BFloat16>(q.data_ptr<c10::BFloat16>(), k_pool.data_ptr<c10::BFloat16>(),
@@ -445,6 +453,9 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const
 
 bool decode_attention_avx512_available() { return cpu_has_avx512(); }
 bool decode_attention_avx512_bf16_available() { return llmserve::cpu_has_avx512_bf16(); }
+int64_t decode_attention_auto_isa(at::ScalarType dtype, int64_t head_dim, int64_t v_head_dim) {
+  return auto_isa(dtype, dtype, head_dim, v_head_dim);
+}
 
 }  // namespace
 
@@ -459,6 +470,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const
 TORCH_LIBRARY_FRAGMENT(llmserve_cpu, m) {
   m.def("decode_attention_avx512_available() -> bool", &decode_attention_avx512_available);
   m.def("decode_attention_avx512_bf16_available() -> bool", &decode_attention_avx512_bf16_available);
+  m.def("decode_attention_auto_isa(ScalarType dtype, int head_dim, int v_head_dim) -> int", &decode_attention_auto_isa);
   m.def("decode_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor slots, Tensor seq_lens, float scaling, "
         "int isa=0) -> Tensor");
 }
