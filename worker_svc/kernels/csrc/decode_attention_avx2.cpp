@@ -421,12 +421,13 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const
     TORCH_CHECK(lens[b] > 0 && lens[b] <= L, "decode_attention: seq_lens[", b, "] = ", lens[b], " outside 1..", L);
   TORCH_CHECK(isa >= 0 && isa <= 3, "decode_attention: isa must be 0 (auto), 1 (avx2), 2 (avx512) or 3 (avx512_bf16)");
   auto out = at::empty({B, Hq, Dv}, q.options());
-  const bool avx512 = isa != 1 && avx512_fits(q.scalar_type(), k_pool.scalar_type(), D, Dv);
-  TORCH_CHECK(isa < 2 || avx512, "decode_attention: the AVX-512 paths need AVX-512 F/BW/VL/DQ, bfloat16 or float16 "
-              "q and pools alike, and head sizes 32, 64 or 128 for K and V alike");
-  const bool bf16_dot = isa == 3 || (isa == 0 && auto_isa(q.scalar_type(), k_pool.scalar_type(), D, Dv) == 3);
-  TORCH_CHECK(isa != 3 || avx512_bf16_fits(q.scalar_type()),
+  const at::ScalarType q_type = q.scalar_type(), cache_type = k_pool.scalar_type();
+  const int64_t path = isa == 0 ? auto_isa(q_type, cache_type, D, Dv) : isa;
+  TORCH_CHECK(path == 1 || avx512_fits(q_type, cache_type, D, Dv), "decode_attention: the AVX-512 paths need AVX-512 "
+              "F/BW/VL/DQ, bfloat16 or float16 q and pools alike, and head sizes 32, 64 or 128 for K and V alike");
+  TORCH_CHECK(path != 3 || avx512_bf16_fits(q_type),
               "decode_attention: the AVX512-BF16 path needs AVX512-BF16 and bfloat16 q and pools");
+  const bool avx512 = path != 1, bf16_dot = path == 3;
   if (avx512) {
     if (q.scalar_type() == at::kBFloat16)
       attend_avx512<c10::BFloat16>(q.data_ptr<c10::BFloat16>(), k_pool.data_ptr<c10::BFloat16>(),
