@@ -1,14 +1,18 @@
 """grpc.aio's native-memory leak per cancelled call (grpc/grpc#43360), by how the call is awaited.
 
 A bare grpc.aio server in a child process (a 5 ms unary method and a 20-message stream) and a client
-here that starts calls and cancels the awaiting task 0-10 ms in, 16 at a time. Printed per mode: the
-client's and the server's anonymous RSS growth per cancelled call after a warm-up.
+here that starts calls and ends them early 0-10 ms in, 16 at a time. Printed per mode: the client's
+and the server's anonymous RSS growth per call after a warm-up.
 
-    .venv/bin/python benchmarks/grpc_cancel_leak.py [CALLS]      # default 20000 per mode
+    .venv/bin/python benchmarks/grpc_cancel_leak.py [CALLS [MODE ...]]      # default 20000 per mode, all modes
 
 Modes: `unary_direct` awaits the call in the task that is cancelled (what a cancelled handler does
 to its Encode call); `unary_shielded` awaits it through asyncio.shield of its own task (what
-router/background.py does); `stream_direct` reads a server stream in the cancelled task.
+router/background.py does); `stream_direct` reads a server stream in the cancelled task;
+`stream_call_cancel` cancels the call itself (`call.cancel()`) while another task reads it;
+`stream_deadline` gives the call a 0-10 ms deadline instead; `stream_shielded` reads each message
+through asyncio.shield of its own task, and the cancelled task cancels the call (what the router does
+with a worker's Generate call).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from pathlib import Path
 
 import grpc
 
-MODES = ("unary_direct", "unary_shielded", "stream_direct")
+MODES = ("unary_direct", "unary_shielded", "stream_direct", "stream_call_cancel", "stream_deadline", "stream_shielded")
 
 
 def anonymous_mb(pid: int | str = "self") -> float:
@@ -47,6 +51,17 @@ async def _stream(request: bytes, context):
         yield b"y" * 32
 
 
+def _retrieved(task: asyncio.Future) -> None:
+    if not task.cancelled():
+        task.exception()
+
+
+async def _drain(call) -> None:
+    with contextlib.suppress(grpc.aio.AioRpcError, asyncio.CancelledError):
+        async for _ in call:
+            pass
+
+
 async def serve(port_file: str) -> None:
     server = grpc.aio.server()
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("probe.Probe", {
@@ -64,8 +79,24 @@ async def measure(mode: str, calls: int, port: int, server_pid: int) -> str:
         unary, stream = channel.unary_unary("/probe.Probe/Unary"), channel.unary_stream("/probe.Probe/Stream")
         background: set[asyncio.Future[bytes]] = set()
 
+        async def stream_shielded() -> None:
+            call = stream(b"a", timeout=5)
+            messages = call.__aiter__()
+            try:
+                while True:
+                    read = asyncio.ensure_future(anext(messages, None))
+                    background.add(read)
+                    read.add_done_callback(_retrieved)
+                    read.add_done_callback(background.discard)
+                    if await asyncio.shield(read) is None:
+                        return
+            finally:
+                call.cancel()
+
         async def one() -> None:
-            if mode == "unary_direct":
+            if mode == "stream_shielded":
+                await stream_shielded()
+            elif mode == "unary_direct":
                 await unary(b"a", timeout=5)
             elif mode == "unary_shielded":
                 task = asyncio.ensure_future(unary(b"a", timeout=5))
@@ -77,6 +108,18 @@ async def measure(mode: str, calls: int, port: int, server_pid: int) -> str:
                     pass
 
         async def cancelled() -> None:
+            if mode == "stream_deadline":
+                with contextlib.suppress(grpc.aio.AioRpcError):
+                    async for _ in stream(b"a", timeout=random.uniform(0, 0.01)):
+                        pass
+                return
+            if mode == "stream_call_cancel":
+                call = stream(b"a", timeout=5)
+                reader = asyncio.ensure_future(_drain(call))
+                await asyncio.sleep(random.uniform(0, 0.01))
+                call.cancel()
+                await reader
+                return
             task = asyncio.ensure_future(one())
             await asyncio.sleep(random.uniform(0, 0.01))
             task.cancel()
@@ -103,7 +146,7 @@ def main() -> None:
         return
     calls = int(sys.argv[1]) if len(sys.argv) > 1 else 20000
     print(f"grpcio {grpc.__version__}")
-    for mode in MODES:
+    for mode in sys.argv[2:] or MODES:
         port_file = Path(tempfile.mkdtemp()) / "port"
         server = subprocess.Popen([sys.executable, __file__, "--serve", str(port_file)])
         try:
