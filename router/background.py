@@ -1,11 +1,13 @@
-"""Tokenizer calls that a cancelled request leaves to finish in their own task.
+"""Calls, and reads of a stream, that a cancelled request leaves to finish in their own task.
 
 grpc.aio leaks the native op array of a batch whose awaiting task is cancelled while the batch is
 in flight (grpc/grpc#43360, open in grpcio 1.85): a unary call cancelled mid-flight leaves about
-0.8 kB of native heap behind for good (benchmarks/grpc_cancel_leak.py). A client that cancels its
-request cancels the router's handler task, so the handler awaits its short tokenizer calls (Encode,
-Decode, one DetokenizeStream step) through `BackgroundCalls.shielded`: the handler stops waiting at
-once, and the call completes in its own task, bounded by its deadline, which frees what it holds.
+0.8 kB of native heap behind for good, a stream read about as much (benchmarks/grpc_cancel_leak.py).
+A client that cancels its request cancels the router's handler task, so the handler awaits its short
+tokenizer calls (Encode, Decode, one DetokenizeStream step) and each read of the worker's Generate
+stream through `BackgroundCalls.shielded`: the handler stops waiting at once, and the call or read
+completes in its own task (bounded by its deadline; a stream read ends when the handler cancels the
+call, which frees the batch: cancelling the call is not what leaks, cancelling its awaiter is).
 """
 
 from __future__ import annotations

@@ -402,11 +402,13 @@ class _Run:
                 while True:
                     self._arm()
                     try:
-                        msg = await messages.__anext__()
-                    except StopAsyncIteration:
-                        break
+                        # Read in a task of its own: the client's cancel and the idle timeout cancel only
+                        # the wait; the read ends when `stream` cancels the call (see router/background.py).
+                        msg = await self.router.background.shielded(anext(messages, None))
                     finally:
                         self._disarm()
+                    if msg is None:
+                        break
                     kind = msg.WhichOneof("response")
                     if kind == "chunk":
                         index = msg.chunk.index
@@ -481,7 +483,7 @@ class RouterServicer:
         self._serving: bool | None = None
         self.admission = Admission(options.max_concurrent_requests, options.max_requests_per_client)
         self.runs: set[_Run] = set()  # attempts streaming from a worker now
-        self.background = BackgroundCalls()  # tokenizer calls left to finish by cancelled requests
+        self.background = BackgroundCalls()  # calls and reads left to finish by cancelled requests
         self.stopping = False
         if metrics is not None:
             metrics.running.set_function(lambda: len(self.runs))
