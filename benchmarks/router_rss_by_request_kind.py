@@ -1,6 +1,7 @@
 """Router native-memory growth by request kind (issue 11 soak): routers side by side in front of one
 tiny-model worker, each driven with one kind of request, printing each router's anonymous RSS every
-30 s. Kinds: plain streams, streams the client cancels 0-30 ms in, Tokenize calls, and the soak's
+30 s. Kinds: plain streams, streams the client cancels 0-30 ms in or after the first token of 64,
+Tokenize calls, and the soak's
 others: streams under a 20-300 ms client deadline, n = 3, 200-token id prompts.
 
     .venv/bin/python benchmarks/router_rss_by_request_kind.py MINUTES CONCURRENCY [KIND ...]   # from the repo root
@@ -26,7 +27,7 @@ from llmserve.modelgen import make_model  # noqa: E402
 from router.client import AsyncRouterClient  # noqa: E402
 from tests.integration.test_router import Proc, engine_flags, spawn  # noqa: E402
 
-KINDS = ("stream", "cancel", "unary", "deadline", "n3", "long")
+KINDS = ("stream", "cancel", "cancel_mid", "unary", "deadline", "n3", "long")
 PROMPT = "Once upon a time"
 
 
@@ -56,8 +57,8 @@ def start_router(name: str, tokenizer: Proc, worker: Proc, work: Path, deadline:
 
 
 async def one(client: AsyncRouterClient, kind: str, rng: random.Random) -> None:
-    async def consume(prompt: str | list[int] = PROMPT, timeout: float = 60.0, **args) -> None:
-        async for _ in client.generate(prompt, max_new_tokens=16, ignore_eos=True, timeout=timeout, **args):
+    async def consume(prompt: str | list[int] = PROMPT, timeout: float = 60.0, tokens: int = 16, **args) -> None:
+        async for _ in client.generate(prompt, max_new_tokens=tokens, ignore_eos=True, timeout=timeout, **args):
             pass
 
     if kind == "stream":
@@ -75,6 +76,13 @@ async def one(client: AsyncRouterClient, kind: str, rng: random.Random) -> None:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
             await task
+    elif kind == "cancel_mid":  # cancelled while the worker generates: the router waits on a worker read
+        stream = client.generate(PROMPT, max_new_tokens=64, ignore_eos=True, timeout=60.0)
+        async for delta in stream:
+            if delta.token_ids:
+                break
+        call_ended = stream.aclose()  # cancels the client's call, with no read of the client's in flight
+        await call_ended
     else:
         await client.tokenize(PROMPT + " there was")
 
