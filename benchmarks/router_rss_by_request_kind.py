@@ -1,8 +1,7 @@
 """Router native-memory growth by request kind (issue 11 soak): routers side by side in front of one
 tiny-model worker, each driven with one kind of request, printing each router's anonymous RSS every
 30 s. Kinds: plain streams, streams the client cancels 0-30 ms in or after the first token of 64,
-Tokenize calls, and the soak's
-others: streams under a 20-300 ms client deadline, n = 3, 200-token id prompts.
+Tokenize calls, and the soak's others: streams under a 20-300 ms client deadline, n = 3, 200-token id prompts.
 
     .venv/bin/python benchmarks/router_rss_by_request_kind.py MINUTES CONCURRENCY [KIND ...]   # from the repo root
 """
@@ -57,8 +56,8 @@ def start_router(name: str, tokenizer: Proc, worker: Proc, work: Path, deadline:
 
 
 async def one(client: AsyncRouterClient, kind: str, rng: random.Random) -> None:
-    async def consume(prompt: str | list[int] = PROMPT, timeout: float = 60.0, tokens: int = 16, **args) -> None:
-        async for _ in client.generate(prompt, max_new_tokens=tokens, ignore_eos=True, timeout=timeout, **args):
+    async def consume(prompt: str | list[int] = PROMPT, timeout: float = 60.0, **args) -> None:
+        async for _ in client.generate(prompt, max_new_tokens=16, ignore_eos=True, timeout=timeout, **args):
             pass
 
     if kind == "stream":
@@ -81,8 +80,7 @@ async def one(client: AsyncRouterClient, kind: str, rng: random.Random) -> None:
         async for delta in stream:
             if delta.token_ids:
                 break
-        call_ended = stream.aclose()  # cancels the client's call, with no read of the client's in flight
-        await call_ended
+        await stream.aclose()  # cancels the client's call, with no read of the client's in flight
     else:
         await client.tokenize(PROMPT + " there was")
 
