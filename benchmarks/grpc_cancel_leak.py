@@ -12,7 +12,9 @@ router/background.py does); `stream_direct` reads a server stream in the cancell
 `stream_call_cancel` cancels the call itself (`call.cancel()`) while another task reads it;
 `stream_deadline` gives the call a 0-10 ms deadline instead; `stream_shielded` reads each message
 through asyncio.shield of its own task, and the cancelled task cancels the call (what the router does
-with a worker's Generate call).
+with a worker's Generate call); `stream_stopped` asks the server to end the stream (a unary `Stop`
+naming it, as the router's Abort does) and reads it to its normal end; `stream_complete` cancels
+nothing (the baseline: what a call that runs to its end leaves).
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ from pathlib import Path
 
 import grpc
 
-MODES = ("unary_direct", "unary_shielded", "stream_direct", "stream_call_cancel", "stream_deadline", "stream_shielded")
+MODES = ("unary_direct", "unary_shielded", "stream_direct", "stream_call_cancel", "stream_deadline", "stream_shielded",
+         "stream_stopped", "stream_complete")
 
 
 def anonymous_mb(pid: int | str = "self") -> float:
@@ -45,10 +48,27 @@ async def _unary(request: bytes, context) -> bytes:
     return b"x" * 64
 
 
-async def _stream(request: bytes, context):
-    for _ in range(20):
-        await asyncio.sleep(0.002)
-        yield b"y" * 32
+class _Streams:
+    """The server's streams by the request bytes that name them, so that `Stop` can end one early."""
+
+    def __init__(self) -> None:
+        self.stops: dict[bytes, asyncio.Event] = {}
+
+    async def stream(self, request: bytes, context):
+        stop = self.stops.setdefault(request, asyncio.Event())
+        try:
+            for _ in range(20):
+                if stop.is_set():
+                    return
+                await asyncio.sleep(0.002)
+                yield b"y" * 32
+        finally:
+            self.stops.pop(request, None)
+
+    async def stop(self, request: bytes, context) -> bytes:
+        if request in self.stops:
+            self.stops[request].set()
+        return b""
 
 
 def _retrieved(task: asyncio.Future) -> None:
@@ -64,9 +84,11 @@ async def _drain(call) -> None:
 
 async def serve(port_file: str) -> None:
     server = grpc.aio.server()
+    streams = _Streams()
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("probe.Probe", {
         "Unary": grpc.unary_unary_rpc_method_handler(_unary),
-        "Stream": grpc.unary_stream_rpc_method_handler(_stream),
+        "Stream": grpc.unary_stream_rpc_method_handler(streams.stream),
+        "Stop": grpc.unary_unary_rpc_method_handler(streams.stop),
     }),))
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
@@ -77,6 +99,7 @@ async def serve(port_file: str) -> None:
 async def measure(mode: str, calls: int, port: int, server_pid: int) -> str:
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         unary, stream = channel.unary_unary("/probe.Probe/Unary"), channel.unary_stream("/probe.Probe/Stream")
+        stop = channel.unary_unary("/probe.Probe/Stop")
         background: set[asyncio.Future[bytes]] = set()
 
         async def stream_shielded() -> None:
@@ -112,6 +135,14 @@ async def measure(mode: str, calls: int, port: int, server_pid: int) -> str:
                 with contextlib.suppress(grpc.aio.AioRpcError):
                     async for _ in stream(b"a", timeout=random.uniform(0, 0.01)):
                         pass
+                return
+            if mode in ("stream_stopped", "stream_complete"):
+                name = os.urandom(8)
+                reader = asyncio.ensure_future(_drain(stream(name, timeout=5)))
+                if mode == "stream_stopped":
+                    await asyncio.sleep(random.uniform(0, 0.01))
+                    await stop(name, timeout=5)
+                await reader
                 return
             if mode == "stream_call_cancel":
                 call = stream(b"a", timeout=5)
