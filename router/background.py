@@ -5,9 +5,10 @@ in flight (grpc/grpc#43360, open in grpcio 1.85): a unary call cancelled mid-fli
 0.8 kB of native heap behind for good, a stream read about as much (benchmarks/grpc_cancel_leak.py).
 A client that cancels its request cancels the router's handler task, so the handler awaits its short
 tokenizer calls (Encode, Decode, one DetokenizeStream step) and each read of the worker's Generate
-stream through `BackgroundCalls.shielded`: the handler stops waiting at once, and the call or read
-completes in its own task (bounded by its deadline; a stream read ends when the handler cancels the
-call, which frees the batch: cancelling the call is not what leaks, cancelling its awaiter is).
+stream in a task spawned here: the handler stops waiting at once, and the call or read completes in
+its own task (bounded by its deadline). The worker stream is then read to its end in one more task
+(router/server.py `_Run._drain`): the worker ends it on the router's Abort, which leaves nothing
+behind on either side, where cancelling the call leaks a little in both processes.
 """
 
 from __future__ import annotations

@@ -42,6 +42,7 @@ class FakeWorker(spb_grpc.SglangSchedulerServicer):
         self.metadata: list[dict] = []
         self.time_remaining: list[float | None] = []  # the deadline each Generate call arrived with
         self.aborts: list[str] = []
+        self.endings: list[str] = []  # per Generate call: "done" (it returned) or "cancelled" (by the client)
 
     async def GetModelInfo(self, request, context):  # noqa: N802
         return spb.GetModelInfoResponse(served_model_name="fake", vocab_size=512, max_context_length=256,
@@ -58,6 +59,15 @@ class FakeWorker(spb_grpc.SglangSchedulerServicer):
         return spb.AbortResponse(success=True)
 
     async def Generate(self, request, context) -> AsyncIterator[spb.GenerateResponse]:  # noqa: N802
+        try:
+            async for response in self._generate(request, context):
+                yield response
+        except (asyncio.CancelledError, GeneratorExit):
+            self.endings.append("cancelled")
+            raise
+        self.endings.append("done")
+
+    async def _generate(self, request, context) -> AsyncIterator[spb.GenerateResponse]:
         self.requests.append(request)
         self.metadata.append(dict(context.invocation_metadata()))
         self.time_remaining.append(context.time_remaining())

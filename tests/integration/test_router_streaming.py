@@ -200,12 +200,15 @@ def test_a_cancelled_request_lets_its_tokenizer_calls_finish(tok_dir: Path, tok:
     _run(scenario)
 
 
-def test_a_cancel_mid_stream_does_not_cancel_a_read_of_the_worker_stream(tok_dir: Path, tok: ModelTokenizer) -> None:
+def test_a_cancel_mid_stream_aborts_on_the_worker_and_reads_its_call_to_the_end(
+    tok_dir: Path, tok: ModelTokenizer
+) -> None:
     """grpc.aio leaks a read's batch when the task awaiting it is cancelled (grpc/grpc#43360): a client
     cancelling while the router waited on its worker stream left ~0.3 kB in the router each time
     (benchmarks/router_rss_ab.py with kind cancel_mid). Each read runs in a task of its own, which the
-    client's cancel (it cancels the handler's task) does not reach: it ends when the router cancels the
-    worker call."""
+    client's cancel (it cancels the handler's task) does not reach. Cancelling the worker call leaks a
+    little on both sides too (benchmarks/grpc_cancel_leak.py stream_call_cancel against stream_stopped):
+    the router sends Abort instead and reads the call to the end the worker then gives it."""
     ids = _pieces(tok, "one two three four five six seven eight nine ten")
 
     async def scenario() -> None:
@@ -228,15 +231,32 @@ def test_a_cancel_mid_stream_does_not_cancel_a_read_of_the_worker_stream(tok_dir
                     break
             await _until(lambda: reads and not reads[-1].done())  # the router waits on the worker's next step
             await stream.aclose()  # type: ignore[attr-defined]
-            await _until(lambda: all(r.done() for r in reads) and not router.servicer.runs)
-            # Every read but the last returned a message; the last was in flight at the cancel and ended
-            # with the worker call, which the router cancelled (grpc.aio raises CancelledError from a
-            # read of a locally cancelled call once its batch is back: nothing left behind).
+            await _until(lambda: worker.endings and not router.servicer.runs and len(background) == 0)
+            # The read in flight at the cancel got the worker's next message; the call ended there, on the
+            # Abort, well before its 10 steps.
             assert len(reads) >= 2
-            assert all(r.result() is not None for r in reads[:-1])
-            assert reads[-1].cancelled()
-            assert len(worker.requests) == 1
-            await _until(lambda: len(background) == 0)
+            assert all(not r.cancelled() and r.result() is not None for r in reads)
+            assert worker.endings == ["done"]
+            assert len(worker.requests) == 1 and worker.aborts == [worker.requests[0].request_id]
+
+    _run(scenario)
+
+
+def test_a_worker_call_is_read_to_its_end_when_a_stop_string_finishes_the_request(
+    tok_dir: Path, tok: ModelTokenizer
+) -> None:
+    """A stop string finishes the request on the router: the sample is aborted on the worker, which then
+    ends its call; the router reads it to that end instead of cancelling it (a cancel leaks, above)."""
+    ids = _pieces(tok, "one two three four five six seven eight nine ten")
+
+    async def scenario() -> None:
+        worker = FakeWorker([[[t] for t in ids]], step_s=0.05)
+        async with fake_cluster(tok_dir, [worker]) as (client, router):
+            (out,) = await client.complete("hi", max_new_tokens=50, stop=["three"])
+            assert out.finish.reason == "stop"
+            await _until(lambda: worker.endings and len(router.servicer.background) == 0)
+            assert worker.endings == ["done"]
+            assert worker.aborts == [worker.requests[0].request_id]
 
     _run(scenario)
 
