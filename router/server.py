@@ -124,6 +124,7 @@ DEADLINE_MARGIN_S = 0.02
 # How long an abandoned worker call (the client cancelled, a stop string, a failure here) may take to end
 # after the worker's Abort before the router cancels it (see _Run._drain).
 ABANDONED_CALL_GRACE_S = 5.0
+ABORT_AGAIN_S = 0.5
 
 
 def call_timeout(context: grpc.aio.ServicerContext, cap: float | None = None) -> float | None:
@@ -397,7 +398,7 @@ class _Run:
                 else:
                     # Ended by the worker (on the Abort below, or it was ending anyway), the call leaves
                     # nothing behind in either process; a cancelled one leaks (see _drain).
-                    router.background.spawn(self._drain(call))
+                    router.background.spawn(self._drain(call, abort_again=abort_on_worker))
             if abort_on_worker:
                 # The worker aborts the call's unfinished engine requests and ends the call.
                 router.pool.abort(g, self.engine_id, "cancelled")
@@ -457,13 +458,17 @@ class _Run:
             raise _WorkerStreamEnded("the worker ended the stream before every sequence finished")
 
 
-    async def _drain(self, call) -> None:
+    async def _drain(self, call, abort_again: bool) -> None:
         """Read an abandoned worker call to its end (one step or two after the worker's Abort). A server
         stream that its server ends leaves nothing behind; one the client cancels leaves ~0.1-0.6 kB of
         native heap in the worker and ~0.1-0.2 kB here, for good (grpc/grpc#43360;
-        `benchmarks/grpc_cancel_leak.py 20000 stream_stopped stream_call_cancel`). A call still open after
-        ABANDONED_CALL_GRACE_S is cancelled (an Abort that reached the worker before its Generate did)."""
-        cancel_late = asyncio.get_running_loop().call_later(ABANDONED_CALL_GRACE_S, call.cancel)
+        `benchmarks/grpc_cancel_leak.py 20000 stream_stopped stream_call_cancel`). An Abort can reach the
+        worker before its Generate call has started (it then finds nothing), so a call still open
+        ABORT_AGAIN_S later is aborted again, and one still open after ABANDONED_CALL_GRACE_S cancelled."""
+        loop = asyncio.get_running_loop()
+        cancel_late = loop.call_later(ABANDONED_CALL_GRACE_S, call.cancel)
+        again = loop.call_later(ABORT_AGAIN_S, self.router.pool.abort, self.group, self.engine_id,
+                                "cancelled") if abort_again else None
         try:
             if self._read is not None and await self._read is None:
                 return
@@ -474,6 +479,8 @@ class _Run:
             pass
         finally:
             cancel_late.cancel()
+            if again is not None:
+                again.cancel()
 
 
 class _WorkerStreamEnded(Exception):

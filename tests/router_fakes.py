@@ -33,11 +33,16 @@ TIMEOUT = 20.0
 
 class FakeWorker(spb_grpc.SglangSchedulerServicer):
     """Streams `script[i]` (chunks of ids) for sample i, then a Complete; `fail` makes Generate fail
-    with UNAVAILABLE before anything ("first") or with INTERNAL after two chunks ("mid")."""
+    with UNAVAILABLE before anything ("first") or with INTERNAL after two chunks ("mid"). `start_s`:
+    how long a Generate call takes to start; an Abort that arrives before then finds nothing (as a real
+    worker's does) and is only recorded in `missed_aborts`."""
 
     def __init__(self, script: list[list[list[int]]], finish: str = "length", matched: int | None = None,
-                 fail: str | None = None, step_s: float = 0.005):
+                 fail: str | None = None, step_s: float = 0.005, start_s: float = 0.0):
         self.script, self.finish, self.matched, self.fail, self.step_s = script, finish, matched, fail, step_s
+        self.start_s = start_s
+        self.started: set[str] = set()
+        self.missed_aborts: list[str] = []
         self.requests: list[spb.GenerateRequest] = []
         self.metadata: list[dict] = []
         self.time_remaining: list[float | None] = []  # the deadline each Generate call arrived with
@@ -55,6 +60,9 @@ class FakeWorker(spb_grpc.SglangSchedulerServicer):
         return spb.HealthCheckResponse(healthy=True, message="ok")
 
     async def Abort(self, request, context):  # noqa: N802
+        if self.start_s and request.request_id not in self.started:
+            self.missed_aborts.append(request.request_id)
+            return spb.AbortResponse(success=False, message="no such request")
         self.aborts.append(request.request_id)
         return spb.AbortResponse(success=True)
 
@@ -68,6 +76,9 @@ class FakeWorker(spb_grpc.SglangSchedulerServicer):
         self.endings.append("done")
 
     async def _generate(self, request, context) -> AsyncIterator[spb.GenerateResponse]:
+        if self.start_s:
+            await asyncio.sleep(self.start_s)
+        self.started.add(request.request_id)
         self.requests.append(request)
         self.metadata.append(dict(context.invocation_metadata()))
         self.time_remaining.append(context.time_remaining())

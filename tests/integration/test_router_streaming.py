@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -13,7 +14,7 @@ import grpc
 import pytest
 
 from llmserve.metrics import RouterMetrics
-from router.server import DEADLINE_MARGIN_S
+from router.server import ABANDONED_CALL_GRACE_S, DEADLINE_MARGIN_S
 from tests.router_fakes import FakeWorker, WatchedTokenizer, fake_cluster
 from tokenizer_svc.tokenizer import ModelTokenizer
 
@@ -257,6 +258,30 @@ def test_a_worker_call_is_read_to_its_end_when_a_stop_string_finishes_the_reques
             await _until(lambda: worker.endings and len(router.servicer.background) == 0)
             assert worker.endings == ["done"]
             assert worker.aborts == [worker.requests[0].request_id]
+
+    _run(scenario)
+
+
+def test_an_abort_that_reaches_the_worker_before_its_call_is_sent_again(tok_dir: Path, tok: ModelTokenizer) -> None:
+    """The client cancels before the worker's Generate has started, so the router's Abort finds nothing
+    there: the router aborts again ABORT_AGAIN_S later, and the call ends on that, long before its
+    script (50 steps of 0.2 s) would end it or the router's grace would cancel it."""
+    ids = _pieces(tok, "one two three four five")
+
+    async def scenario() -> None:
+        worker = FakeWorker([[[ids[i % len(ids)]] for i in range(50)]], step_s=0.2, start_s=0.3)
+        async with fake_cluster(tok_dir, [worker]) as (client, router):
+            task = asyncio.ensure_future(client.complete("hi", max_new_tokens=60))
+            await _until(lambda: router.servicer.runs)  # the router has called the worker
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            start = time.monotonic()
+            await _until(lambda: worker.endings and len(router.servicer.background) == 0, timeout_s=4.0)
+            assert time.monotonic() - start < ABANDONED_CALL_GRACE_S - 1
+            assert worker.endings == ["done"]
+            (engine_id,) = worker.missed_aborts
+            assert worker.aborts == [engine_id]
 
     _run(scenario)
 
