@@ -1,7 +1,8 @@
 """Router native-memory growth per client cancel, two source trees side by side: a router from an
-earlier commit (a git worktree, removed afterwards) and one from this tree, in front of one tiny-model
-worker, both driven with one kind of request (default: streams the client cancels 0-30 ms in); prints
-each router's anonymous RSS every 30 s (docs/reliability.md, "Soak").
+earlier commit (a git worktree, removed afterwards) and one from this tree, each in front of a
+tiny-model worker of its own, both driven with one kind of request (default: streams the client
+cancels 0-30 ms in); prints each router's and each worker's anonymous RSS every 30 s
+(docs/reliability.md, "Soak").
 
     .venv/bin/python benchmarks/router_rss_ab.py BASE_REV MINUTES CONCURRENCY [KIND]   # from the repo root
 """
@@ -32,16 +33,17 @@ def main() -> None:
                    stdout=subprocess.DEVNULL)
     model = make_model(work / "m", arch="llama", preset="tiny", seed=0)
     tokenizer = spawn("tokenizer", ["tokenizer", "--model", str(model)], work)
-    worker = spawn("worker", ["worker", "--model", str(model), *engine_flags()], work)
-    procs = [tokenizer, worker]
+    workers = [spawn(f"worker-{side}", ["worker", "--model", str(model), *engine_flags()], work)
+               for side in ("base", "this")]
+    procs = [tokenizer, *workers]
     try:
         deadline = time.monotonic() + 120
-        tokenizer.wait_port(deadline)
-        worker.wait_port(deadline)
-        routers = [start_router("base", tokenizer, worker, work, deadline, source=base),
-                   start_router("this", tokenizer, worker, work, deadline, source=ROOT)]
+        for p in procs:
+            p.wait_port(deadline)
+        routers = [start_router("base", tokenizer, workers[0], work, deadline, source=base),
+                   start_router("this", tokenizer, workers[1], work, deadline, source=ROOT)]
         procs += routers
-        asyncio.run(measure(routers, [kind, kind], minutes, concurrency))
+        asyncio.run(measure(routers, [kind, kind], minutes, concurrency, also=workers))
     finally:
         for p in procs:
             p.proc.terminate()

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -98,8 +99,10 @@ async def drive(router: Proc, kind: str, concurrency: int, counts: dict[str, int
         await asyncio.gather(*running, return_exceptions=True)
 
 
-async def measure(routers: list[Proc], kinds: list[str], minutes: float, concurrency: int) -> None:
-    """Drive router i with requests of kinds[i]; print every router's RSS every 30 s and at the end."""
+async def measure(routers: list[Proc], kinds: list[str], minutes: float, concurrency: int,
+                  also: Sequence[Proc] = ()) -> None:
+    """Drive router i with requests of kinds[i]; print every router's RSS (and that of the processes in
+    `also`) every 30 s and at the end."""
     end = time.monotonic() + 60 * minutes
     counts: dict[str, int] = {}
     tasks = [asyncio.ensure_future(drive(router, kind, concurrency, counts, end))
@@ -107,6 +110,7 @@ async def measure(routers: list[Proc], kinds: list[str], minutes: float, concurr
     start = time.monotonic()
     while True:
         row = "  ".join(f"{r.name}: anon {anonymous_mb(r.proc.pid):.1f} MB n={counts.get(r.name, 0)}" for r in routers)
+        row += "".join(f"  {p.name}: anon {anonymous_mb(p.proc.pid):.1f} MB" for p in also)
         print(f"{time.monotonic() - start:5.0f}s {row}", flush=True)
         if all(t.done() for t in tasks):
             break
