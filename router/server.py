@@ -457,7 +457,6 @@ class _Run:
         if not all(s.finished for s in self.seqs):
             raise _WorkerStreamEnded("the worker ended the stream before every sequence finished")
 
-
     async def _drain(self, call, abort_again: bool) -> None:
         """Read an abandoned worker call to its end (one step or two after the worker's Abort). A server
         stream that its server ends leaves nothing behind; one the client cancels leaves ~0.1-0.6 kB of
