@@ -14,6 +14,7 @@ import grpc
 import pytest
 
 from llmserve.metrics import RouterMetrics
+from router import server as router_server
 from router.server import ABANDONED_CALL_GRACE_S, DEADLINE_MARGIN_S
 from tests.router_fakes import FakeWorker, WatchedTokenizer, fake_cluster
 from tokenizer_svc.tokenizer import ModelTokenizer
@@ -282,6 +283,33 @@ def test_an_abort_that_reaches_the_worker_before_its_call_is_sent_again(tok_dir:
             assert worker.endings == ["done"]
             (engine_id,) = worker.missed_aborts
             assert worker.aborts == [engine_id]
+
+    _run(scenario)
+
+
+def test_a_worker_call_still_open_after_the_grace_is_cancelled(
+    tok_dir: Path, tok: ModelTokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both Aborts reach the worker before its Generate has started (ABORT_AGAIN_S shortened below the
+    worker's start), so nothing ends the call there: the router cancels it ABANDONED_CALL_GRACE_S after
+    the client's cancel rather than reading a stream nobody wants to its end."""
+    monkeypatch.setattr(router_server, "ABORT_AGAIN_S", 0.05)
+    monkeypatch.setattr(router_server, "ABANDONED_CALL_GRACE_S", 0.6)
+    ids = _pieces(tok, "one two three four five")
+
+    async def scenario() -> None:
+        worker = FakeWorker([[[ids[i % len(ids)]] for i in range(50)]], step_s=0.2, start_s=0.3)
+        async with fake_cluster(tok_dir, [worker]) as (client, router):
+            task = asyncio.ensure_future(client.complete("hi", max_new_tokens=60))
+            await _until(lambda: router.servicer.runs)
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            start = time.monotonic()
+            await _until(lambda: worker.endings and len(router.servicer.background) == 0, timeout_s=4.0)
+            assert 0.5 < time.monotonic() - start < 2.0
+            assert worker.endings == ["cancelled"]
+            assert len(worker.missed_aborts) == 2 and worker.aborts == []
 
     _run(scenario)
 
