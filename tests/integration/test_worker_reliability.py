@@ -460,13 +460,17 @@ def worker_rss_under_mixed_prompts(
 
 
 @pytest.mark.slow
-def test_worker_rss_levels_off_and_a_fixed_mmap_threshold_keeps_it_flat(worker_model, worker_process_factory):
-    """F12: RSS rises with traffic of changing shapes to a plateau (glibc's self-raising mmap
-    threshold keeps freed temporaries in the heap) and then stays; `--malloc-mmap-threshold` keeps
-    it near the idle figure from the start (worker_svc/server/native_memory.py)."""
-    idle, warm, after = worker_rss_under_mixed_prompts(worker_process_factory, worker_model)
-    print(f"default: idle {idle:.0f}, warm {warm:.0f}, after {after:.0f} MB")
-    assert after - warm < 0.05 * warm, f"RSS kept growing after warm-up: {warm:.0f} -> {after:.0f} MB"
-    fixed = worker_rss_under_mixed_prompts(worker_process_factory, worker_model, "--malloc-mmap-threshold", "4194304")
-    print("fixed threshold: idle {:.0f}, warm {:.0f}, after {:.0f} MB".format(*fixed))
-    assert fixed[2] - fixed[0] < 0.6 * (after - idle), (fixed, (idle, warm, after))
+def test_worker_rss_levels_off_with_and_without_a_fixed_mmap_threshold(worker_model, worker_process_factory):
+    """F12: RSS rises with traffic of changing shapes to a plateau and then stays, with the default
+    allocator policy and with `--malloc-mmap-threshold` (worker_svc/server/native_memory.py). When F12
+    was found the default rose 2.5x (glibc's self-raising mmap threshold kept freed temporaries in the
+    heap) and the fixed threshold kept it near idle. Since then the prefix cache is on by default and
+    keeps past prompts' KV pages and tree nodes (up to the pool's size, by design): on this workload the
+    default rose 12-17% from idle and the fixed threshold 10-12% in three runs (2026-12-04; ~6% for
+    both with --disable-radix-cache), so what is asserted is the plateau and a bound far below F12's
+    growth, no longer a ratio between the policies (it held in one run of three)."""
+    for flags in ((), ("--malloc-mmap-threshold", "4194304")):
+        idle, warm, after = worker_rss_under_mixed_prompts(worker_process_factory, worker_model, *flags)
+        print(f"{flags or 'default'}: idle {idle:.0f}, warm {warm:.0f}, after {after:.0f} MB")
+        assert after - warm < 0.05 * warm, f"{flags}: RSS kept growing after warm-up: {warm:.0f} -> {after:.0f} MB"
+        assert after < 1.3 * idle, f"{flags}: RSS rose from {idle:.0f} to {after:.0f} MB"
