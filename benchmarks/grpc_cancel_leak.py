@@ -167,7 +167,7 @@ async def measure(mode: str, calls: int, port: int, server_pid: int) -> str:
         await rounds(calls)
         client1, server1 = anonymous_mb(), anonymous_mb(server_pid)
     per_call = 2**20 / calls
-    return (f"{mode:15s} {calls} cancels: client {(client1 - client0) * per_call:5.0f} B/call, "
+    return (f"{mode:15s} {calls} calls: client {(client1 - client0) * per_call:5.0f} B/call, "
             f"server {(server1 - server0) * per_call:5.0f} B/call")
 
 
