@@ -263,6 +263,16 @@ def test_a_worker_call_is_read_to_its_end_when_a_stop_string_finishes_the_reques
     _run(scenario)
 
 
+async def _cancel_once_the_worker_is_called(client, router) -> float:
+    """Start a request, cancel it as soon as the router has called the worker; -> when it was cancelled."""
+    task = asyncio.ensure_future(client.complete("hi", max_new_tokens=60))
+    await _until(lambda: router.servicer.runs)
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    return time.monotonic()
+
+
 def test_an_abort_that_reaches_the_worker_before_its_call_is_sent_again(tok_dir: Path, tok: ModelTokenizer) -> None:
     """The client cancels before the worker's Generate has started, so the router's Abort finds nothing
     there: the router aborts again ABORT_AGAIN_S later, and the call ends on that, long before its
@@ -272,12 +282,7 @@ def test_an_abort_that_reaches_the_worker_before_its_call_is_sent_again(tok_dir:
     async def scenario() -> None:
         worker = FakeWorker([[[ids[i % len(ids)]] for i in range(50)]], step_s=0.2, start_s=0.3)
         async with fake_cluster(tok_dir, [worker]) as (client, router):
-            task = asyncio.ensure_future(client.complete("hi", max_new_tokens=60))
-            await _until(lambda: router.servicer.runs)  # the router has called the worker
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-            start = time.monotonic()
+            start = await _cancel_once_the_worker_is_called(client, router)
             await _until(lambda: worker.endings and len(router.servicer.background) == 0, timeout_s=4.0)
             assert time.monotonic() - start < ABANDONED_CALL_GRACE_S - 1
             assert worker.endings == ["done"]
@@ -300,12 +305,7 @@ def test_a_worker_call_still_open_after_the_grace_is_cancelled(
     async def scenario() -> None:
         worker = FakeWorker([[[ids[i % len(ids)]] for i in range(50)]], step_s=0.2, start_s=0.3)
         async with fake_cluster(tok_dir, [worker]) as (client, router):
-            task = asyncio.ensure_future(client.complete("hi", max_new_tokens=60))
-            await _until(lambda: router.servicer.runs)
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-            start = time.monotonic()
+            start = await _cancel_once_the_worker_is_called(client, router)
             await _until(lambda: worker.endings and len(router.servicer.background) == 0, timeout_s=4.0)
             assert 0.5 < time.monotonic() - start < 2.0
             assert worker.endings == ["cancelled"]
