@@ -20,8 +20,9 @@ CPU = torch.device("cpu")
 NONE = parse_quant_config("none")
 
 
-def _plan(dtype=torch.bfloat16, mla=False, quant=NONE, head_dim=64, **kw):
-    return choose_kernels(EngineConfig(model_path="unused", **kw), quant, mla, CPU, dtype, head_dim=head_dim)
+def _plan(dtype=torch.bfloat16, mla=False, quant=NONE, head_dim=64, v_head_dim=None, **kw):
+    return choose_kernels(EngineConfig(model_path="unused", **kw), quant, mla, CPU, dtype, head_dim=head_dim,
+                          v_head_dim=v_head_dim)
 
 
 def _has_avx512_bf16() -> bool:
@@ -105,6 +106,21 @@ def test_attention_follows_the_model_kind_and_the_cpu_kernels():
     assert mla.attention_decode == "normal"
     backend = attention_backend(mla)
     assert isinstance(backend, TorchNativeMLABackend) and backend.mla_decode == "normal"
+
+
+def test_extend_attention_takes_the_avx512_bf16_kernel_where_it_fits():
+    ops = cpu_ext.load()
+    if ops is None or not ops.extend_attention_available():
+        assert _plan().describe()["attention_extend"] == "sdpa"  # what a host without AVX512-BF16 runs
+        pytest.skip("this CPU lacks AVX512-BF16 (or the C++ kernels did not build): only the SDPA choice checked")
+    assert _plan().attention_extend == "avx512_bf16" and _plan().describe()["attention_extend"] == "avx512_bf16"
+    assert _plan(torch.float32).attention_extend == "sdpa" and _plan(torch.float16).attention_extend == "sdpa"
+    assert _plan(head_dim=48).attention_extend == "sdpa"  # values not in multiples of 32
+    assert _plan(mla=True, head_dim=192, v_head_dim=128).attention_extend == "avx512_bf16"
+    assert _plan(deterministic_inference=True).describe()["attention_extend"] == "row_wise"
+    assert attention_backend(_plan())._extend_kernel is not None
+    assert attention_backend(_plan(torch.float32))._extend_kernel is None
+    assert attention_backend(_plan(mla=True, head_dim=192, v_head_dim=128))._extend_kernel is not None
 
 
 @pytest.mark.skipif(cpu_ext.load() is None, reason="the C++ kernels do not load on this host")

@@ -7,7 +7,10 @@ several times faster than SDPA's flash kernel for one query token (docs/benchmar
 with AVX2 the runner picks ``decode_impl="avx2"``: the same fp32 arithmetic in one C++ kernel
 (kernels/csrc/decode_attention_avx2.cpp) that reads each request's slots in place, instead of ~10 small
 torch ops per layer. SDPA stays selectable (``decode_impl="sdpa"``) and the tests hold the three
-equal. Extend runs one SDPA per request with a causal mask offset by the cached prefix.
+equal. Extend runs one attention per request, causal with the cached prefix in front: on bf16 models where
+the CPU has AVX512-BF16 (``extend_impl="avx512_bf16"``) this project's flash kernel
+(kernels/csrc/extend_attention_avx512.cpp), which reads the prefix's K/V from the pool by slot and runs
+2-4x faster than SDPA's flash kernel on the Zen 4 host (docs/benchmarks.md); else SDPA with the mask.
 
 ``row_wise`` (--enable-deterministic-inference): extend computes each new token's attention on its own,
 as decode computes a request's one token (the AVX2 kernel where the host has it, else a loop of small
@@ -23,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from worker_svc.attention.base import AttentionLayer
+from worker_svc.attention.extend_kernel import extend_kernel
 from worker_svc.attention.metadata import DecodeMetadata, ExtendMetadata, prepare_decode_fixed, prepare_metadata
 from worker_svc.attention.sdpa import attend_tokens_first
 from worker_svc.forward_batch import ForwardBatch, ForwardMode
@@ -43,15 +47,18 @@ def _mha_pool(batch: ForwardBatch) -> MHAKVPool:
 class TorchNativeAttentionBackend:
     kind: Literal["mha"] = "mha"
 
-    def __init__(self, decode_impl: str = "grouped_matmul", cpu_ops=None, row_wise: bool = False) -> None:
-        """``cpu_ops``: ``layers.cpu_ext.load()``'s kernels, required by ``decode_impl="avx2"``.
-        ``row_wise``: every query row attends on its own, in extend and decode (deterministic inference)."""
+    def __init__(self, decode_impl: str = "grouped_matmul", cpu_ops=None, row_wise: bool = False,
+                 extend_impl: str = "sdpa") -> None:
+        """``cpu_ops``: ``layers.cpu_ext.load()``'s kernels, required by ``decode_impl="avx2"`` and
+        ``extend_impl="avx512_bf16"``. ``row_wise``: every query row attends on its own, in extend and decode
+        (deterministic inference), whatever ``extend_impl`` says."""
         if decode_impl not in DECODE_IMPLS:
             raise ValueError(f"decode_impl must be one of {', '.join(DECODE_IMPLS)}, got {decode_impl!r}")
         if decode_impl == "avx2" and cpu_ops is None:
             raise ValueError("decode_impl 'avx2' needs the CPU kernels (layers.cpu_ext.load())")
         self.decode_impl = decode_impl
         self.cpu_ops = cpu_ops
+        self._extend_kernel = extend_kernel(extend_impl, cpu_ops)
         self.row_wise = row_wise
         if row_wise and decode_impl != "avx2":
             decode_impl = "row_wise"
@@ -160,7 +167,12 @@ class TorchNativeAttentionBackend:
             if i in grouped:
                 continue
             end = start + batch.seq_lens[i] - batch.prefix_lens[i]
-            if meta.context_slots[i] is None:
+            if self._extend_kernel is not None and q.dtype == torch.bfloat16:
+                slots = meta.context_slots[i]  # None: no prefix, the context is the new tokens' K/V
+                keys, values = (k[start:end], v[start:end]) if slots is None else (k_buf, v_buf)
+                out[start:end] = self._extend_kernel(q[start:end], keys, values, slots, batch.prefix_lens[i],
+                                                     layer.scaling)
+            elif meta.context_slots[i] is None:
                 out[start:end] = attend_tokens_first(
                     q[start:end], k[start:end], v[start:end], is_causal=True, scale=layer.scaling, enable_gqa=True
                 )

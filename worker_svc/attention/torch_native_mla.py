@@ -2,12 +2,13 @@
 
 Extend ("normal" path): per request, the cached latents of the prefix plus the new tokens' latents go
 through ``kv_b_proj`` into per-head K_nope and V, the shared rotary key is appended to every head, and
-SDPA runs with a causal mask offset by the prefix. Decode is ``absorbed`` by default: W_UK is folded into
-the query and W_UV into the output, so the step attends over the cached latents directly, as an MQA
-with one shared head of width kv_lora_rank + rope (no per-token decompression, which is what makes MLA
-decode cheap). ``mla_decode="normal"`` decompresses at decode too; the tests hold the two equal. Decode
-math runs in fp32 like the MHA backend's grouped matmuls. Per-step metadata (padded slot index and
-length mask, extend masks) is the MHA backend's (attention/metadata.py).
+attention runs causal with the prefix in front (this project's AVX512-BF16 flash kernel for bf16 where the
+CPU has it, ``extend_impl="avx512_bf16"``, else SDPA with the mask). Decode is ``absorbed`` by default:
+W_UK is folded into the query and W_UV into the output, so the step attends over the cached latents
+directly, as an MQA with one shared head of width kv_lora_rank + rope (no per-token decompression, which
+is what makes MLA decode cheap). ``mla_decode="normal"`` decompresses at decode too; the tests hold the
+two equal. Decode math runs in fp32 like the MHA backend's grouped matmuls. Per-step metadata (padded
+slot index and length mask, extend masks) is the MHA backend's (attention/metadata.py).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Literal
 import torch
 
 from worker_svc.attention.base import MLAAttentionLayer
+from worker_svc.attention.extend_kernel import extend_kernel
 from worker_svc.attention.metadata import DecodeMetadata, ExtendMetadata, prepare_decode_fixed, prepare_metadata
 from worker_svc.attention.sdpa import attend_tokens_first
 from worker_svc.config.engine_config import MLA_DECODE_MODES
@@ -37,15 +39,17 @@ class TorchNativeMLABackend:
     kind: Literal["mla"] = "mla"
 
     def __init__(self, mla_decode: str = "absorbed", row_wise: bool = False,
-                 row_padding: tuple[int, ...] | None = None) -> None:
+                 row_padding: tuple[int, ...] | None = None, extend_impl: str = "sdpa", cpu_ops=None) -> None:
         """``row_wise`` (deterministic inference): every query row attends on its own, in extend and
         decode. ``row_padding``: the host's fp32 row padding (kernels/row_stable.py) for absorbed decode's
-        per-head GEMMs over the batch."""
+        per-head GEMMs over the batch. ``extend_impl``: "sdpa" or "avx512_bf16" (needs ``cpu_ops``,
+        ``layers.cpu_ext.load()``'s kernels)."""
         if mla_decode not in MLA_DECODE_MODES:
             raise ValueError(f"mla_decode must be one of {', '.join(MLA_DECODE_MODES)}, got {mla_decode!r}")
         self.mla_decode = mla_decode
         self.row_wise = row_wise
         self.row_padding = row_padding
+        self._extend_kernel = extend_kernel(extend_impl, cpu_ops)
 
     def prepare(self, batch: ForwardBatch) -> None:
         batch.attn_metadata = prepare_metadata(batch)
@@ -86,6 +90,10 @@ class TorchNativeMLABackend:
             keys, values = self._keys_values(latent[start:end] if slots is None else buf[slots], layer)
             if self.row_wise:
                 out[start:end] = self._attend_rows(query[start:end], keys, values, batch.prefix_lens[i], layer)
+                continue
+            if self._extend_kernel is not None and query.dtype == torch.bfloat16:  # keys, values: the whole context
+                out[start:end] = self._extend_kernel(query[start:end], keys, values, None, batch.prefix_lens[i],
+                                                     layer.scaling)
                 continue
             out[start:end] = attend_tokens_first(
                 query[start:end], keys, values, attn_mask=meta.masks[i], is_causal=slots is None, scale=layer.scaling

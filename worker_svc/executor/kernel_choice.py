@@ -59,6 +59,9 @@ class KernelPlan:
     # Inside the C++ decode attention ("avx2", the backend's name for it): "avx512" where the CPU has AVX-512
     # and the model runs in bf16 / fp16 (head sizes 32, 64, 128; others take the AVX2 code), else "avx2".
     attention_isa: str = "avx2"
+    # Extend (prefill) attention: "avx512_bf16" (this project's flash kernel, kernels/csrc/extend_attention_avx512.cpp)
+    # for bf16 models where the CPU has AVX512-BF16 and the head dims fit it, else "sdpa" (attention/sdpa.py).
+    attention_extend: str = "sdpa"
 
     @property
     def attention_decode(self) -> str:
@@ -76,6 +79,8 @@ class KernelPlan:
             "attention": "torch_native_mla" if self.mla else "torch_native",
             "attention_decode": self.attention_decode,
             **({"attention_decode_isa": self.attention_isa} if self.attention_decode == "avx2" else {}),
+            # Deterministic inference attends each extend row on its own, whatever the plan's kernel.
+            "attention_extend": "row_wise" if self.deterministic else self.attention_extend,
             "moe_experts": self.moe_experts,
         }
         if self.quant_kernel is not None:
@@ -167,9 +172,10 @@ def choose_kernels(
     dtype: torch.dtype,
     *,
     head_dim: int,
+    v_head_dim: int | None = None,
 ) -> KernelPlan:
-    """``head_dim``: the attention head size (per-head K and V of a non-MLA model), which decides the decode
-    attention's code path."""
+    """``head_dim``: the attention head size (per-head K and V of a non-MLA model; MLA's query/key head), which
+    decides the decode attention's code path; ``v_head_dim``: the value head size where it differs (MLA)."""
     on_cpu = device.type == "cpu"
     quantized_on_cpu = on_cpu and quant.method != "none"
     cpu_ops = cpu_ext.load() if on_cpu else None
@@ -186,6 +192,7 @@ def choose_kernels(
         quant_kernel=quant_kernel,
         amx=cpu_ops is not None and bool(cpu_ops.quant_amx_available()),  # type: ignore[attr-defined]
         attention_isa=_decode_attention_isa(cpu_ops, dtype, head_dim),
+        attention_extend=_extend_attention(cpu_ops, dtype, head_dim, head_dim if v_head_dim is None else v_head_dim),
         deterministic=engine_config.deterministic_inference,
         fp32_row_padding=(probe_row_padding(device)
                           if engine_config.deterministic_inference and on_cpu and dtype == torch.float32 else None),
@@ -203,6 +210,15 @@ def _decode_attention_isa(cpu_ops: object | None, dtype: torch.dtype, head_dim: 
     if cpu_ops is None:
         return "avx2"
     return DECODE_ATTENTION_ISAS[int(cpu_ops.decode_attention_auto_isa(dtype, head_dim, head_dim))]  # type: ignore[attr-defined]
+
+
+def _extend_attention(cpu_ops: object | None, dtype: torch.dtype, head_dim: int, v_head_dim: int) -> str:
+    """"avx512_bf16" where this project's extend attention runs these heads (bf16, AVX512-BF16, an even key
+    head, values in multiples of 32), else "sdpa"."""
+    fits = dtype == torch.bfloat16 and head_dim % 2 == 0 and v_head_dim % 32 == 0
+    if cpu_ops is None or not fits or not cpu_ops.extend_attention_available():  # type: ignore[attr-defined]
+        return "sdpa"
+    return "avx512_bf16"
 
 
 def apply_kernels(model: nn.Module, plan: KernelPlan) -> None:
@@ -261,5 +277,7 @@ def _apply_linear_kernels(model: nn.Module, choice: str, cpu_ops: object | None,
 
 def attention_backend(plan: KernelPlan) -> StepAttentionBackend:
     if plan.mla:
-        return TorchNativeMLABackend(plan.mla_decode, row_wise=plan.deterministic, row_padding=plan.fp32_row_padding)
-    return TorchNativeAttentionBackend(plan.attention_decode, plan.cpu_ops, row_wise=plan.deterministic)
+        return TorchNativeMLABackend(plan.mla_decode, row_wise=plan.deterministic, row_padding=plan.fp32_row_padding,
+                                     extend_impl=plan.attention_extend, cpu_ops=plan.cpu_ops)
+    return TorchNativeAttentionBackend(plan.attention_decode, plan.cpu_ops, row_wise=plan.deterministic,
+                                       extend_impl=plan.attention_extend)

@@ -105,6 +105,7 @@ class ModelRunner:
         self.kernels = choose_kernels(
             engine_config, quant, self.model_config.deepseek is not None, self.device, self.dtype,
             head_dim=self.model_config.head_dim,
+            v_head_dim=self.model_config.deepseek.v_head_dim if self.model_config.deepseek else None,
         )
         self.model = self._load_model(quant, self.kernels)
         # Two-batch overlap drives the decoder's stages itself (executor/two_batch.py).

@@ -1,0 +1,123 @@
+"""This project's AVX512-BF16 extend attention (kernels/csrc/extend_attention_avx512.cpp): one request's new
+tokens over its cached prefix and themselves, causal. Held against a dense fp32 reference on the same bf16
+inputs, within what SDPA's flash kernel (the path it replaces) misses that reference by, across the shapes
+the kernel tiles differently: tokens and prefixes off the 4-row / 32-row / 64-key blocks, GQA and MQA, MLA's
+wider keys, head sizes 32 to 192, the context read from a pool by slot or from strided views."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from worker_svc.attention.torch_native import TorchNativeAttentionBackend
+from worker_svc.kernels import cpu_ext
+
+
+def _ops():
+    ops = cpu_ext.load()
+    if ops is None or not ops.extend_attention_available():
+        pytest.skip("this CPU lacks AVX512-BF16 (or the C++ kernels did not build): the extend kernel cannot run")
+    return ops
+
+
+def _reference(query, keys, values, prefix, scale):
+    """Dense fp32 attention: query [t, h, d], keys/values [c, kv_h, *] -> [t, h, v_dim], token j sees prefix + j + 1."""
+    groups = query.shape[1] // keys.shape[1]
+    k = keys.float().repeat_interleave(groups, dim=1)
+    v = values.float().repeat_interleave(groups, dim=1)
+    scores = torch.einsum("thd,chd->htc", query.float(), k) * scale
+    mask = torch.ones(query.shape[0], keys.shape[0], dtype=torch.bool).tril(diagonal=prefix)
+    return torch.einsum("htc,chd->thd", torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1), v), mask
+
+
+def _sdpa(query, keys, values, mask, scale):
+    v_dim = values.shape[-1]
+    values = F.pad(values, (0, query.shape[-1] - v_dim))
+    out = F.scaled_dot_product_attention(query.transpose(0, 1)[None], keys.transpose(0, 1)[None],
+                                         values.transpose(0, 1)[None], attn_mask=mask, scale=scale, enable_gqa=True)
+    return out[0, ..., :v_dim].transpose(0, 1)
+
+
+@pytest.mark.parametrize(
+    "tokens,prefix,heads,kv_heads,dim,v_dim",
+    [
+        (1, 0, 2, 1, 64, 64),  # one token, one key
+        (33, 0, 9, 3, 64, 64),  # SmolLM2's heads, rows off the 4-row tiles
+        (130, 70, 9, 3, 64, 64),  # several 32-row tasks and 64-key blocks, the prefix mid-block
+        (64, 512, 9, 3, 64, 64),  # a cached prefix's chunk
+        (17, 40, 4, 4, 32, 32),
+        (5, 30, 8, 1, 32, 32),  # MQA
+        (100, 3, 2, 2, 128, 128),
+        (20, 0, 4, 4, 48, 32),  # keys wider than values, values a multiple of 32 (not of 64)
+        (9, 25, 4, 4, 192, 128),  # DeepSeek-V2's MLA head sizes
+    ],
+)
+def test_equals_the_fp32_reference_as_closely_as_sdpa(tokens, prefix, heads, kv_heads, dim, v_dim):
+    ops = _ops()
+    gen = torch.Generator().manual_seed(7 * tokens + prefix)
+    context = prefix + tokens
+    query = torch.randn(tokens, heads, dim, generator=gen).bfloat16()
+    keys = torch.randn(context, kv_heads, dim, generator=gen).bfloat16()
+    values = torch.randn(context, kv_heads, v_dim, generator=gen).bfloat16()
+    scale = dim**-0.5
+    expected, mask = _reference(query, keys, values, prefix, scale)
+    out = ops.extend_attention(query, keys, values, None, prefix, scale)
+    assert out.shape == (tokens, heads, v_dim) and out.dtype == torch.bfloat16
+    sdpa_error = (_sdpa(query, keys, values, mask, scale).float() - expected).abs().max().item()
+    error = (out.float() - expected).abs().max().item()
+    assert error <= 1.25 * sdpa_error + 2e-3, (error, sdpa_error)
+
+    # The same context scattered over a pool and read by slot; the answer must not change by a bit.
+    pool_rows = 3 * context + 5
+    k_pool = torch.randn(pool_rows, kv_heads, dim, generator=gen).bfloat16()
+    v_pool = torch.randn(pool_rows, kv_heads, v_dim, generator=gen).bfloat16()
+    slots = torch.randperm(pool_rows, generator=gen)[:context]
+    k_pool[slots], v_pool[slots] = keys, values
+    assert torch.equal(ops.extend_attention(query, k_pool, v_pool, slots, prefix, scale), out)
+
+
+def test_reads_strided_views_as_the_model_hands_them_over():
+    """q, k, v narrowed out of one qkv row ([tokens, q + 2 kv] wide), values with a head stride of their own."""
+    ops = _ops()
+    tokens, heads, kv_heads, dim = 45, 9, 3, 64
+    gen = torch.Generator().manual_seed(3)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen).bfloat16()
+    q = qkv[:, : heads * dim].view(tokens, heads, dim)
+    k = qkv[:, heads * dim : (heads + kv_heads) * dim].view(tokens, kv_heads, dim)
+    kv_wide = torch.randn(tokens, kv_heads, 2 * dim, generator=gen).bfloat16()
+    v = kv_wide[..., dim:]  # head stride 2 dim
+    scale = dim**-0.5
+    out = ops.extend_attention(q, k, v, None, 0, scale)
+    assert torch.equal(out, ops.extend_attention(q.contiguous(), k.contiguous(), v.contiguous(), None, 0, scale))
+    expected, _ = _reference(q, k, v, 0, scale)
+    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (lambda q, k, v, s: (q.float(), k, v, s, 0), "q must be a bfloat16"),
+        (lambda q, k, v, s: (q, k, v[:, :1], s, 0), "values must have 3 heads"),
+        (lambda q, k, v, s: (q[:, :4], k, v, s, 0), "must be a multiple of kv heads"),
+        (lambda q, k, v, s: (q, k, v[..., :16], s, 0), "values a multiple of 32"),
+        (lambda q, k, v, s: (q, k, v, s[:-1], 0), "slots must be int64"),
+        (lambda q, k, v, s: (q, k, v, s.clone().fill_(10_000), 0), "out of range"),
+        (lambda q, k, v, s: (q, k, v, None, 1), "need prefix \\+ tokens"),
+        (lambda q, k, v, s: (q, k, v, None, -1), "prefix must be >= 0"),
+    ],
+)
+def test_bad_arguments_are_refused_with_the_reason(change, message):
+    ops = _ops()
+    q, k, v = torch.zeros(8, 9, 64).bfloat16(), torch.zeros(8, 3, 64).bfloat16(), torch.zeros(8, 3, 64).bfloat16()
+    with pytest.raises(RuntimeError, match=message):
+        ops.extend_attention(*change(q, k, v, torch.arange(8)), 0.125)
+
+
+def test_the_backend_takes_the_kernel_only_where_it_was_chosen():
+    ops = cpu_ext.load()
+    assert TorchNativeAttentionBackend("grouped_matmul", ops)._extend_kernel is None  # sdpa by default
+    with pytest.raises(ValueError, match="needs the CPU kernels"):
+        TorchNativeAttentionBackend("grouped_matmul", None, extend_impl="avx512_bf16")
+    with pytest.raises(ValueError, match="extend_impl must be one of"):
+        TorchNativeAttentionBackend("grouped_matmul", ops, extend_impl="flash")
