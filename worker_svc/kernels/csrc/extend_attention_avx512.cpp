@@ -130,7 +130,7 @@ struct TaskState {
 
 // o[rows][chunk] = o * corr + P . V over `pairs` key pairs of the block, CW registers (16 CW values) per row.
 template <int CW>
-LLMSERVE_AVX512_BF16 void accumulate_values(float* o, int64_t Dv, const float (&corr)[kRows],
+LLMSERVE_AVX512_BF16 void accumulate_values(float* o, int64_t Dv, const float* corr,
                                             const uint32_t (&probs)[kRows][kKeyBlock / 2], const uint32_t* v,
                                             int64_t pairs) {
   __m512 acc[kRows][CW];
@@ -184,7 +184,8 @@ LLMSERVE_AVX512_BF16 void run_task(const Problem& pb, int64_t hq, int64_t t0, in
           for (int v = 0; v < kKeyVecs; ++v) s[m][v] = dot_bf16(s[m][v], k[v], qp);
         }
       }
-      float corr[kRows];
+      // Scale, mask and each row's new running max; then one vector exp for the 4 rows' corrections.
+      alignas(64) float shift_by[kLanes] = {};
       for (int m = 0; m < kRows; ++m) {
         __m512 peak = minus_inf;
         for (int v = 0; v < kKeyVecs; ++v) {
@@ -194,11 +195,15 @@ LLMSERVE_AVX512_BF16 void run_task(const Problem& pb, int64_t hq, int64_t t0, in
           peak = _mm512_max_ps(peak, s[m][v]);
         }
         float& row_max = st.max[r0 + m];
+        // Every row sees key 0 in block 0, so the new max is finite; the first block's correction is e^-inf = 0.
         const float new_max = std::max(row_max, _mm512_reduce_max_ps(peak));
-        // Every row sees key 0 in block 0, so new_max is finite; the first block's correction is e^-inf = 0.
-        corr[m] = std::exp(row_max - new_max);
+        shift_by[m] = row_max - new_max;
         row_max = new_max;
-        const __m512 shift = _mm512_set1_ps(new_max);
+      }
+      alignas(64) float corr[kLanes];
+      _mm512_store_ps(corr, exp16(_mm512_load_ps(shift_by)));
+      for (int m = 0; m < kRows; ++m) {
+        const __m512 shift = _mm512_set1_ps(st.max[r0 + m]);
         __m512 total = _mm512_setzero_ps();
         for (int v = 0; v < kKeyVecs; ++v) {
           s[m][v] = exp16(_mm512_sub_ps(s[m][v], shift));
