@@ -214,3 +214,38 @@ def test_rotary_rotate_half_refuses_what_it_cannot_run():
         ops.rotary_rotate_half(q, k[:1], cos, cos)
     with pytest.raises(RuntimeError, match="float32"):
         ops.rotary_rotate_half(q.float(), k.float(), cos.float(), cos.float())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows,d", [(1, 1536), (16, 1536), (130, 24), (3, 20), (2, 5)])
+def test_silu_and_mul_rounds_as_the_torch_path(dtype, rows, d):
+    """silu(gate) * up in one pass: the silu rounded to the dtype, then the product, as F.silu(gate) * up rounds.
+    Widths past the 16-lane loop (24: one 8-lane step; 20, 5: scalar tails); many rows (threads split them);
+    saturating gates (+-89, +-100 give -0 and the identity, as in torch). Its e^x is a polynomial, not torch's
+    libm, so a rounded silu may land one unit of the last place apart now and then: at most 1 in 10^4."""
+    from worker_svc.kernels import cpu_ext
+    from worker_svc.layers.activation import silu_and_mul
+    from worker_svc.layers.mlp import GatedMLP
+    from worker_svc.parallel.context import TPContext
+
+    ops = cpu_ext.load()
+    if ops is None:
+        pytest.skip("the C++ kernels did not build (or the CPU lacks AVX2): the torch path runs instead")
+    gen = torch.Generator().manual_seed(rows * d)
+    gate_up = (torch.randn(rows, 2 * d, generator=gen) * 4).to(dtype)
+    gate_up[0, : min(d, 6)] = torch.tensor([-100.0, -89.0, 89.0, 100.0, 0.0, -0.0])[: min(d, 6)].to(dtype)
+    got, want = ops.silu_and_mul(gate_up), silu_and_mul(gate_up)
+    assert got.shape == want.shape and got.dtype == dtype
+    assert (got != want).float().mean().item() <= 1e-4
+    torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=0)
+    assert torch.equal(got[0, : min(d, 6)], want[0, : min(d, 6)])
+    # The MLP takes it once the kernel plan hands it the ops; fp32 stays on the torch path.
+    mlp = GatedMLP(8, d, TPContext())
+    mlp.cpu_ops = ops
+    with torch.profiler.profile() as prof:
+        mlp.to(dtype)(torch.randn(3, 8).to(dtype))
+    assert "llmserve_cpu::silu_and_mul" in {event.key for event in prof.key_averages()}
+    with pytest.raises(RuntimeError, match="float32 keeps the torch path"):
+        ops.silu_and_mul(gate_up.float())
+    with pytest.raises(RuntimeError, match="2 d"):
+        ops.silu_and_mul(gate_up[:, :-1].contiguous())

@@ -29,6 +29,7 @@ from worker_svc.kernels.bf16_linear import (
 from worker_svc.kernels.row_stable import RowStableLinear, probe_row_padding
 from worker_svc.layers.embedding import ParallelLMHead
 from worker_svc.layers.linear import KernelLinear, embedding_parameter_ids, release_weight
+from worker_svc.layers.mlp import GatedMLP
 from worker_svc.layers.moe import DeepseekMoE, TopKRouter
 from worker_svc.layers.norm import RMSNorm
 from worker_svc.layers.rotary import RotateHalfRope
@@ -75,6 +76,7 @@ class KernelPlan:
             "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "bf16_linear": self.bf16_linear,
             "rms_norm": "avx2" if self.cpu_ops is not None else "torch",
+            "silu_and_mul": "avx2" if self.cpu_ops is not None else "torch",  # bf16 / fp16; fp32 keeps torch's
             "rotary": "avx2" if self.cpu_ops is not None else "torch",
             "attention": "torch_native_mla" if self.mla else "torch_native",
             "attention_decode": self.attention_decode,
@@ -234,7 +236,7 @@ def apply_kernels(model: nn.Module, plan: KernelPlan) -> None:
             if isinstance(module, (KernelLinear, ParallelLMHead, TopKRouter)) and not module.quantized:
                 module.kernel = row_stable
     for module in model.modules():
-        if isinstance(module, (RMSNorm, RotateHalfRope)):
+        if isinstance(module, (RMSNorm, RotateHalfRope, GatedMLP)):
             module.cpu_ops = plan.cpu_ops
 
 

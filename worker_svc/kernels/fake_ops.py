@@ -33,6 +33,7 @@ def register(ops: object) -> None:
         "int8_dynamic_linear": lambda x, qweight, scale: x.new_empty((x.shape[0], qweight.shape[0])),
         "int4_weight_linear": lambda x, packed, scale, zero, group: x.new_empty((x.shape[0], packed.shape[0])),
         "rms_norm": lambda x, weight, eps: torch.empty_like(x),
+        "silu_and_mul": lambda gate_up: gate_up.new_empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2)),
         "fused_add_rms_norm": lambda x, residual, weight, eps: (torch.empty_like(x),
                                                                  torch.empty_like(x, dtype=torch.float32)),
         "rotary_rotate_half": lambda q, k, cos, sin: (torch.empty_like(q), torch.empty_like(k)),

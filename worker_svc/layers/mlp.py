@@ -5,6 +5,8 @@ Llama's MLP and DeepSeek's dense layers, routed experts and shared experts are a
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -18,7 +20,13 @@ class GatedMLP(nn.Module):
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias, tp)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, tp)
+        # torch.ops.llmserve_cpu (set by the kernel plan on x86 CPUs) or None: silu(gate) * up in one C++ pass
+        # for bf16 / fp16 (kernels/csrc/activation_avx2.cpp), rounded where the torch path rounds.
+        self.cpu_ops: Any = None
 
     def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
         """x [tokens, hidden] -> [tokens, hidden]; with ``reduce=False`` this rank's partial sum."""
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)), reduce=reduce)
+        gate_up = self.gate_up_proj(x)
+        if self.cpu_ops is not None and gate_up.dtype in (torch.bfloat16, torch.float16) and gate_up.is_contiguous():
+            return self.down_proj(self.cpu_ops.silu_and_mul(gate_up), reduce=reduce)
+        return self.down_proj(silu_and_mul(gate_up), reduce=reduce)

@@ -10,6 +10,7 @@
 // Per layer, as models/decoder.py + models/llama.py + attention/torch_native.py compose it:
 //   (add +) RMSNorm -> qkv -> rotate-half rope on q, k -> store k, v at the step's slots
 //   -> decode attention over each request's slots -> o_proj -> add + RMSNorm -> gate_up -> silu * up -> down
+// (bf16 / fp16 activations: executor/fused_decode.py builds this for no other dtype)
 // with the residual stream in float32. Linears: this library's packed bf16 (VDPBF16PS / AMX) and AVX-512
 // int4 / int8 weight-only kernels, without bias (other kernels keep the Python path).
 #include <ATen/ATen.h>
@@ -170,7 +171,7 @@ class DecodeLayers : public torch::CustomClassHolder {
       hidden = layer.o(attn.reshape({tokens, q_size}));
       std::tie(x, residual) = llmserve::ops::fused_add_rms_norm(hidden, residual, layer.post_attention_norm, eps_);
       const at::Tensor gate_up = layer.gate_up(x);  // [tokens, 2 intermediate]: gate | up
-      hidden = layer.down(at::silu(gate_up.narrow(1, 0, intermediate_)).mul_(gate_up.narrow(1, intermediate_, intermediate_)));
+      hidden = layer.down(llmserve::ops::silu_and_mul(gate_up));  // bf16 / fp16, as layers/mlp.py calls it
     }
     return {hidden, residual};
   }

@@ -37,6 +37,7 @@ namespace {
 
 using llmserve::cpu_has_avx512_bf16;
 using llmserve::dot_bf16;
+using llmserve::exp16;
 
 constexpr int64_t kLanes = 16;
 constexpr int64_t kKeyBlock = 64;                  // keys per score tile
@@ -44,25 +45,6 @@ constexpr int kKeyVecs = kKeyBlock / kLanes;       // 4 registers per tile row
 constexpr int kRows = 4;                           // query rows per score tile
 constexpr int64_t kQueryBlock = 32;                // query rows per task (a multiple of kRows)
 constexpr int64_t kValueChunk = 64;                // values accumulated per pass: 4 registers per row
-
-// e^x on 16 lanes for x <= 0 (Cephes' expf: 2^n e^r, degree-6 polynomial, within ~2 ulp); 0 below -87,
-// so masked scores (-inf) give probabilities of exactly 0.
-LLMSERVE_AVX512 inline __m512 exp16(__m512 x) {
-  const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_GE_OQ);
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), x);
-  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
-  y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.f)));
-  return _mm512_maskz_scalef_ps(live, y, n);
-}
 
 // Where a context row lives: keys / values [rows, kv_heads, D] (last dim contiguous, any row and head
 // strides), context row c at row slots[c] (or c without slots).

@@ -17,6 +17,7 @@ std::tuple<at::Tensor, at::Tensor> rotary_rotate_half(const at::Tensor& q, const
                                                       const at::Tensor& sin);
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                             const at::Tensor& slots, const at::Tensor& seq_lens, double scaling, int64_t isa);
+at::Tensor silu_and_mul(const at::Tensor& gate_up);
 at::Tensor bf16_linear_packed(const at::Tensor& x, const at::Tensor& packed, int64_t n,
                               const c10::optional<at::Tensor>& bias);
 at::Tensor bf16_linear_packed_amx(const at::Tensor& x, const at::Tensor& packed, int64_t n,
