@@ -11,7 +11,8 @@
 // one sequential stream. Zero padding to whole groups and pairs makes every load full.
 //
 // Tile: MR rows of x (1..6) by NV groups (1..4) of outputs, MR*NV fp32 accumulators in registers; the
-// tile's weights (K x 16*NV) stay in L2 while further row blocks reuse them. Threads (at::parallel_for,
+// tile's weights (K x 16*NV) stay in L2 while further row blocks reuse them, and (from 12 rows) the second
+// block prefetches the next tile's into L2. Threads (at::parallel_for,
 // torch's intra-op pool) split the output groups. fp32 accumulation, one rounding to bf16 at the end.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -60,9 +61,10 @@ at::Tensor bf16_pack_weight(const at::Tensor& weight) {
   return packed;
 }
 
+// next: the following tile's weights, to prefetch into L2 alongside these (or null).
 template <int MR, int NV>
 LLMSERVE_AVX512_BF16 void tile(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t pairs, const float* bias,
-                               uint16_t* y, int64_t ldy, int64_t valid) {
+                               uint16_t* y, int64_t ldy, int64_t valid, const uint16_t* next) {
   __m512 acc[MR][NV];
   for (int m = 0; m < MR; ++m)
     for (int v = 0; v < NV; ++v) acc[m][v] = _mm512_setzero_ps();
@@ -70,6 +72,8 @@ LLMSERVE_AVX512_BF16 void tile(const uint16_t* x, int64_t ldx, const uint16_t* w
   for (int64_t kp = 0; kp < pairs; ++kp) {
     __m512i wv[NV];
     for (int v = 0; v < NV; ++v) wv[v] = _mm512_loadu_si512(w + v * group_stride + kp * 2 * kGroup);
+    if (next != nullptr)
+      for (int v = 0; v < kMaxGroups; ++v) _mm_prefetch(reinterpret_cast<const char*>(next + v * group_stride + kp * 2 * kGroup), _MM_HINT_T1);
     for (int m = 0; m < MR; ++m) {
       int32_t pair;
       std::memcpy(&pair, x + m * ldx + 2 * kp, sizeof(pair));
@@ -90,7 +94,8 @@ LLMSERVE_AVX512_BF16 void tile(const uint16_t* x, int64_t ldx, const uint16_t* w
   }
 }
 
-using TileFn = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, const float*, uint16_t*, int64_t, int64_t);
+using TileFn = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, const float*, uint16_t*, int64_t, int64_t,
+                        const uint16_t*);
 
 template <int MR>
 constexpr TileFn tile_for(int nv) {
@@ -122,10 +127,17 @@ at::Tensor bf16_linear_packed(const at::Tensor& x, const at::Tensor& packed, int
     for (int64_t g = begin; g < end; g += kMaxGroups) {
       const int nv = static_cast<int>(std::min<int64_t>(kMaxGroups, end - g));
       const int64_t valid = std::min<int64_t>(n - g * kGroup, nv * kGroup);
+      // Two or more full row blocks: the second asks for the next tile's weights (into L2) as it goes, so their
+      // stream from DRAM runs under this tile's arithmetic instead of stalling the next tile's first block
+      // (measured on the Zen 4 host: 12-32 rows 8-26% faster, 64 and more within noise; with a shorter second
+      // block, as at 8 rows, the requests outran it and cost 11%).
+      const int64_t next_g = g + kMaxGroups;
+      const uint16_t* next =
+          rows >= 2 * kMaxRows && next_g + kMaxGroups <= end ? wp + next_g * pairs * 2 * kGroup : nullptr;
       for (int64_t r = 0; r < rows; r += kMaxRows) {
         const int mr = static_cast<int>(std::min<int64_t>(kMaxRows, rows - r));
         pick(mr, nv)(xp + r * k, k, wp + g * pairs * 2 * kGroup, pairs, bp != nullptr ? bp + g * kGroup : nullptr,
-                     yp + r * n + g * kGroup, n, valid);
+                     yp + r * n + g * kGroup, n, valid, r == kMaxRows ? next : nullptr);
       }
     }
   });
