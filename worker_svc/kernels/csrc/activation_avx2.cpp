@@ -27,8 +27,10 @@
 namespace {
 
 using llmserve::exp8;
+using llmserve::load16;
 using llmserve::load8;
 using llmserve::round_through;
+using llmserve::store16;
 using llmserve::store8;
 
 // silu(g) * u for 16 lanes in fp32 (g, u already widened), silu rounded to T first as torch rounds it.
@@ -40,18 +42,6 @@ LLMSERVE_AVX512 inline __m512 silu_mul16(__m512 g, __m512 u, bool bf16) {
   return _mm512_mul_ps(rounded, u);
 }
 
-LLMSERVE_AVX512 inline __m512 load16(const c10::BFloat16* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
-LLMSERVE_AVX512 inline __m512 load16(const c10::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-LLMSERVE_AVX512 inline void store16(c10::BFloat16* p, __m512 v) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), llmserve::to_bf16(v));
-}
-LLMSERVE_AVX512 inline void store16(c10::Half* p, __m512 v) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-}
 
 // One row's [0, d16) on AVX-512 (d16: d rounded down to 16); -> where the AVX2 loop continues.
 template <typename T>

@@ -3,6 +3,9 @@
 // library still builds with the AVX2 base flags.
 #pragma once
 
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
 #include <immintrin.h>
 
 namespace llmserve {
@@ -59,5 +62,19 @@ LLMSERVE_AVX512 inline __m512 exp16(__m512 x) {
 
 // 16 fp32 -> 16 bf16, rounded as bf16_bits.
 LLMSERVE_AVX512 inline __m256i to_bf16(__m512 v) { return _mm512_cvtepi32_epi16(bf16_bits(v)); }
+
+// 16 bf16 / fp16 -> fp32 lanes, and back rounded as static_cast<c10::BFloat16> / <c10::Half> round (to nearest even).
+LLMSERVE_AVX512 inline __m512 load16(const c10::BFloat16* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+LLMSERVE_AVX512 inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+LLMSERVE_AVX512 inline void store16(c10::BFloat16* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_bf16(v));
+}
+LLMSERVE_AVX512 inline void store16(c10::Half* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
 
 }  // namespace llmserve

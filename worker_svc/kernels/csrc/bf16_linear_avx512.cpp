@@ -130,7 +130,7 @@ at::Tensor bf16_linear_packed(const at::Tensor& x, const at::Tensor& packed, int
       // Two or more full row blocks: the second asks for the next tile's weights (into L2) as it goes, so their
       // stream from DRAM runs under this tile's arithmetic instead of stalling the next tile's first block
       // (measured on the Zen 4 host: 12-32 rows 8-26% faster, 64 and more within noise; with a shorter second
-      // block, as at 8 rows, the requests outran it and cost 11%).
+      // block, as at 8 rows, the requests outran it and cost 9-12%).
       const int64_t next_g = g + kMaxGroups;
       const uint16_t* next =
           rows >= 2 * kMaxRows && next_g + kMaxGroups <= end ? wp + next_g * pairs * 2 * kGroup : nullptr;

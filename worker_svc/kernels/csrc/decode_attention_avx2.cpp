@@ -145,21 +145,10 @@ void attend(const q_t* q, const cache_t* k_pool, const cache_t* v_pool, const in
 // another summation order.
 
 using llmserve::cpu_has_avx512;
+using llmserve::load16;
+using llmserve::store16;
 
-LLMSERVE_AVX512 inline __m512 load16(const c10::BFloat16* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
-LLMSERVE_AVX512 inline __m512 load16(const c10::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
 
-// Rounded as static_cast<c10::BFloat16> / <c10::Half> round (to nearest even).
-LLMSERVE_AVX512 inline void store16(c10::BFloat16* p, __m512 v) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), llmserve::to_bf16(v));
-}
-LLMSERVE_AVX512 inline void store16(c10::Half* p, __m512 v) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-}
 
 constexpr int64_t kPrefetchRows = 8;
 
