@@ -112,6 +112,15 @@ def test_decode_layers_refuses_shapes_the_model_does_not_have() -> None:
         layers.forward(torch.zeros(1, 64, dtype=torch.bfloat16), norm, norm, torch.zeros(1, dtype=torch.int64),
                        torch.zeros(1, 1, dtype=torch.int64), torch.ones(1, dtype=torch.int64))
     assert layers.num_layers() == 0
+    # The step stores K/V rows at its slots itself (a row copy, not index_copy_): a slot past the pool is refused
+    # before anything runs or is written.
+    layers.add_layer(norm, norm, kv, kv, [0] * 4, weights, [torch.empty(0)] * 4, shapes)
+    rope = torch.ones(1, 1, 16, dtype=torch.bfloat16)
+    for bad in (8, -1):
+        with pytest.raises(RuntimeError, match=f"slot {bad} out of the pool"):
+            layers.forward(torch.zeros(1, 64, dtype=torch.bfloat16), rope, rope, torch.tensor([bad]),
+                           torch.zeros(1, 1, dtype=torch.int64), torch.ones(1, dtype=torch.int64))
+    assert not kv.any()
 
 
 def test_flag_reaches_the_engine_config() -> None:
