@@ -221,7 +221,8 @@ def test_rotary_rotate_half_refuses_what_it_cannot_run():
 def test_silu_and_mul_rounds_as_the_torch_path(dtype, rows, d):
     """silu(gate) * up in one pass: the silu rounded to the dtype, then the product, as F.silu(gate) * up rounds.
     Widths past the 16-lane loop (24: one 8-lane step; 20, 5: scalar tails); many rows (threads split them);
-    saturating gates (+-89, +-100 give -0 and the identity, as in torch). Its e^x is a polynomial, not torch's
+    saturating gates (+-89, +-100 give -0 and the identity, as in torch; on the 8-lane step also -88.1 .. -88.7,
+    where e^-g is still finite and silu a tiny non-zero). Its e^x is a polynomial, not torch's
     libm, so a rounded silu may land one unit of the last place apart now and then: at most 1 in 10^4."""
     from worker_svc.kernels import cpu_ext
     from worker_svc.layers.activation import silu_and_mul
@@ -234,11 +235,14 @@ def test_silu_and_mul_rounds_as_the_torch_path(dtype, rows, d):
     gen = torch.Generator().manual_seed(rows * d)
     gate_up = (torch.randn(rows, 2 * d, generator=gen) * 4).to(dtype)
     gate_up[0, : min(d, 6)] = torch.tensor([-100.0, -89.0, 89.0, 100.0, 0.0, -0.0])[: min(d, 6)].to(dtype)
+    if d == 24:  # the 8-lane (AVX2) step: gates whose e^-g is still finite in fp32 (silu tiny, not -0) and past it
+        gate_up[0, 16:24] = torch.tensor([-87.9, -88.1, -88.3, -88.5, -88.7, -88.8, -89.0, -100.0]).to(dtype)
     got, want = ops.silu_and_mul(gate_up), silu_and_mul(gate_up)
     assert got.shape == want.shape and got.dtype == dtype
     assert (got != want).float().mean().item() <= 1e-4
     torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=0)
     assert torch.equal(got[0, : min(d, 6)], want[0, : min(d, 6)])
+    assert torch.equal(got[0, 16:24], want[0, 16:24])  # regression: exp8 saturated at 88, not ln(FLT_MAX)
     # The MLP takes it once the kernel plan hands it the ops; fp32 stays on the torch path.
     mlp = GatedMLP(8, d, TPContext())
     mlp.cpu_ops = ops

@@ -42,7 +42,6 @@ LLMSERVE_AVX512 inline __m512 silu_mul16(__m512 g, __m512 u, bool bf16) {
   return _mm512_mul_ps(rounded, u);
 }
 
-
 // One row's [0, d16) on AVX-512 (d16: d rounded down to 16); -> where the AVX2 loop continues.
 template <typename T>
 LLMSERVE_AVX512 int64_t silu_mul_row_avx512(const T* gate, const T* up, int64_t d, T* dst) {
@@ -57,7 +56,7 @@ void silu_mul_rows(const T* gate_up, int64_t rows, int64_t d, T* out) {
   // ~16k elements a task, so one token's MLP (d = 1536 on SmolLM2) does not pay for a thread hand-off.
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 14) / std::max<int64_t>(d, 1));
   at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
-    const __m256 one = _mm256_set1_ps(1.f), sign = _mm256_set1_ps(-0.f), inf = _mm256_set1_ps(INFINITY);
+    const __m256 one = _mm256_set1_ps(1.f), sign = _mm256_set1_ps(-0.f);
     const bool avx512 = llmserve::cpu_has_avx512();
     for (int64_t r = begin; r < end; ++r) {
       const T* gate = gate_up + r * 2 * d;
@@ -66,10 +65,8 @@ void silu_mul_rows(const T* gate_up, int64_t rows, int64_t d, T* out) {
       int64_t i = avx512 ? silu_mul_row_avx512(gate, up, d, dst) : 0;
       for (; i + 8 <= d; i += 8) {
         const __m256 g = load8(gate + i);
-        const __m256 minus_g = _mm256_xor_ps(g, sign);
-        // e^-g, +inf past exp8's clamp (g < -88): silu is then -0, as in torch.
-        const __m256 e = _mm256_blendv_ps(exp8(minus_g), inf, _mm256_cmp_ps(minus_g, _mm256_set1_ps(88.f), _CMP_GT_OQ));
-        const __m256 silu = round_through<T>(_mm256_div_ps(g, _mm256_add_ps(one, e)));
+        // g / (1 + e^-g): e^-g = +inf below g = -88.72 makes it -0, as in torch.
+        const __m256 silu = round_through<T>(_mm256_div_ps(g, _mm256_add_ps(one, exp8(_mm256_xor_ps(g, sign)))));
         store8(dst + i, _mm256_mul_ps(silu, load8(up + i)));
       }
       for (; i < d; ++i) {

@@ -5,6 +5,7 @@
 
 #include <immintrin.h>
 
+#include <cmath>
 #include <cstdint>
 #include <type_traits>
 
@@ -60,11 +61,13 @@ inline __m256 round_through(__m256 v) {
 }
 
 // Cephes' expf on 8 lanes: e^x = 2^n e^r, n = round(x / ln 2), r by a two-part ln 2, degree-6
-// polynomial; within ~2 ulp of std::exp; inputs clamped to [-88.376, 88] (so ~0 below, e^88 above: the
-// exponent field never overflows).
+// polynomial; within ~2 ulp of std::exp; ~0 below -88.376 and +inf past ln(FLT_MAX) = 88.7228, as exp16 (and
+// std::exp) saturate. n reaches 128 at the top, past the exponent field: that scale is applied as 2^127 x 2.
 inline __m256 exp8(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-88.3762626647949f)), _mm256_set1_ps(88.f));
-  const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  const __m256 top = _mm256_set1_ps(88.7228394f);
+  const __m256 overflow = _mm256_cmp_ps(x, top, _CMP_GT_OQ);
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-88.3762626647949f)), top);
+  __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
   x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
   x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
   __m256 y = _mm256_set1_ps(1.9875691500e-4f);
@@ -74,8 +77,12 @@ inline __m256 exp8(__m256 x) {
   y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
   y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
   y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.f)));
+  const __m256 doubled = _mm256_cmp_ps(n, _mm256_set1_ps(127.f), _CMP_GT_OQ);  // n = 128
+  n = _mm256_min_ps(n, _mm256_set1_ps(127.f));
   const __m256i exponent = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(y, _mm256_castsi256_ps(exponent));
+  y = _mm256_mul_ps(_mm256_mul_ps(y, _mm256_castsi256_ps(exponent)),
+                    _mm256_blendv_ps(_mm256_set1_ps(1.f), _mm256_set1_ps(2.f), doubled));
+  return _mm256_blendv_ps(y, _mm256_set1_ps(INFINITY), overflow);
 }
 
 inline float hsum(__m256 v) {

@@ -148,8 +148,6 @@ using llmserve::cpu_has_avx512;
 using llmserve::load16;
 using llmserve::store16;
 
-
-
 constexpr int64_t kPrefetchRows = 8;
 
 template <typename T>

@@ -171,11 +171,10 @@ class DecodeLayers : public torch::CustomClassHolder {
     const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
     const at::Tensor slots = out_slots.to(at::kLong).contiguous();
     const int64_t pool_slots = layers_.front().k_buf.size(0);
-    for (int64_t t = 0; t < tokens; ++t) {
-      const int64_t slot = slots.data_ptr<int64_t>()[t];
-      TORCH_CHECK(slot >= 0 && slot < pool_slots, "DecodeLayers.forward: slot ", slot, " out of the pool's [0, ",
+    const int64_t* slot = slots.data_ptr<int64_t>();
+    for (int64_t t = 0; t < tokens; ++t)
+      TORCH_CHECK(slot[t] >= 0 && slot[t] < pool_slots, "DecodeLayers.forward: slot ", slot[t], " out of the pool's [0, ",
                   pool_slots, ")");
-    }
     at::Tensor residual, x;
     for (const Layer& layer : layers_) {
       if (!residual.defined()) {  // first layer: the embedding is the residual
