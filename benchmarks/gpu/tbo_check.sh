@@ -27,7 +27,8 @@ if [ "$device" = cuda ]; then
     [ "$gpus" -ge 1 ] || { echo "no CUDA device visible (DEVICE=cpu runs the CPU parts)"; exit 2; }
 fi
 if [ "${TBO_QUICK:-0}" = 1 ]; then sizes=(--batch-size 2 4 --input-len 16 --output-len 4); else
-    sizes=(--batch-size 8 32 128 --input-len 128 --output-len 16); fi
+    # 128 rows exceed the default --max-running-requests (64): the engine must be told, or the run fails.
+    sizes=(--batch-size 8 32 128 --input-len 128 --output-len 16 --max-running-requests 128); fi
 bench=("$py" -m llmserve.cli bench-one-batch --model "$model" --device "$device")
 echo "== device $device, GPUs $gpus, model $model"
 echo "== 1. HF oracle with two-batch overlap on (fp32)"
