@@ -4,7 +4,18 @@
 # each concurrency; the router's and the worker's own histograms (time_to_first_token_seconds,
 # e2e_request_latency_seconds) are scraped after each run, and their mean difference is what the router adds
 # (tokenization, the worker hop, relaying and detokenizing the first token). Unlike two end-to-end runs
-# compared, the run-to-run spread cancels.
+# compared, the run-to-run spread cancels. That difference also holds the worker's own gRPC intake and
+# first send, which a client calling the worker directly pays as well: an upper bound on the router's share.
+#
+# Then (SPLIT_ROUNDS rounds, default 2) each level again as two clients at once on the same worker: half
+# the streams through the router, half straight to the worker, 64 requests each, the same prompts, started
+# at one wall-clock time (--start-at). Both halves share every engine step: their throughput ratio is the
+# router's cost at the same load. Their TTFTs are not comparable as they are: equal-length requests run in
+# waves, and the half whose first wave reaches the worker first keeps being prefilled first (60-120 ms at
+# c16, either way round). So each half's TTFT is taken minus the worker's own TTFT of the same requests
+# (its log), which leaves that path's transport alone; the router's share is the difference of the two
+# paths, what a client pays for the router beyond what it pays calling the worker itself. Which half goes
+# 20 ms ahead alternates by round.
 #
 #   benchmarks/router_overhead.sh MODEL [CONCURRENCY ...]   (default 16 64)
 # ROUTER_FLAGS: extra router flags (e.g. "--detokenize service"). WORKER_FLAGS: extra worker flags.
@@ -13,7 +24,7 @@ model=$(realpath "${1:?usage: benchmarks/router_overhead.sh MODEL [CONCURRENCY .
 levels=(16 64); [ $# -gt 0 ] && levels=("$@")
 root=$(cd "$(dirname "$0")/.." && pwd)
 py=$root/.venv/bin/python
-out=$(mktemp -d)
+out=${OUT_DIR:-$(mktemp -d)}
 port() { "$py" -c "import socket; s=socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])"; }
 w=$(port); wm=$(port); t=$(port); r=$(port); rm=$(port)
 pids=()
@@ -48,5 +59,52 @@ print(f'c$c: {d[1]:.0f} requests; router adds TTFT {1e3 * (d[0] - d[3]) / d[1]:+
       f'(mean TTFT router {1e3 * d[0] / d[1]:.0f} ms, worker {1e3 * d[3] / d[4]:.0f} ms)')"
     prev="$rt $rn $re $wt $wn $we"
     grep -E "Output token throughput|Median TTFT" "$out/bench_c$c.txt" | sed "s/^/c$c: /"
+done
+# split_report ROUND C ORDER MARK: the two halves' reports, and each half's TTFT as its client saw it minus the
+# worker's own TTFT for the same requests (the worker's "generate finished" lines after line MARK of its log:
+# the router's requests are rt-*, the direct client's bench-*). That difference is each path's transport
+# (intake, sends, relays); the router's cost is the router path's minus the direct one's, which the order of
+# the waves does not move (both halves subtract their own engine wait).
+split_report() {
+    "$py" - "$out" "$@" <<'PY'
+import re, statistics, sys
+out, rnd, c, order, mark = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], int(sys.argv[5])
+def report(target):
+    text = open(f"{out}/split_{target}_c{c}_r{rnd}.txt").read()
+    get = lambda label: float(re.search(label + r" \(.*?\):\s+([\d.]+)", text).group(1))
+    return get("Output token throughput"), get("Median TTFT"), get("Mean TTFT")
+own = {"rt-": [], "bench-": []}
+for line in open(f"{out}/worker.log").readlines()[mark:]:
+    if "generate finished" in line and (m := re.search(r" request_id=(rt-|bench-)\S* .*ttft_s=([\d.]+)", line)):
+        own[m.group(1)].append(1e3 * float(m.group(2)))
+(rtok, rmed, rmean), (wtok, wmed, wmean) = report("router"), report("worker")
+r_path, d_path = rmean - statistics.mean(own["rt-"]), wmean - statistics.mean(own["bench-"])
+print(f"split c{c} round {rnd} ({c // 2} + {c // 2} streams, {order} first): router / direct output tok/s "
+      f"{rtok:.1f} / {wtok:.1f} ({rtok / wtok:.3f}x); TTFT p50 {rmed:.1f} / {wmed:.1f} ms, mean {rmean:.1f} / "
+      f"{wmean:.1f}; client minus worker mean TTFT: router path {r_path:.1f} ms, direct {d_path:.1f} ms: "
+      f"the router adds {r_path - d_path:+.1f} ms")
+PY
+}
+for round in $(seq "${SPLIT_ROUNDS:-2}"); do
+    for c in "${levels[@]}"; do
+        half=$((c / 2))
+        clients=()
+        order="router worker"; [ $((round % 2)) = 0 ] && order="worker router"
+        start=$("$py" -c "import time; print(time.time() + 8)")  # both clients connected and warmed up by then
+        lead=0.02
+        mark=$(wc -l < "$out/worker.log")
+        for target in $order; do
+            addr=127.0.0.1:$r; [ "$target" = worker ] && addr=127.0.0.1:$w
+            "$py" -m llmserve.cli bench-serving --backend "$target" --address "$addr" --model "$model" \
+                --wait-for-server 300 --dataset random --random-input-len 128 --random-output-len 128 \
+                --random-range-ratio 1 --num-prompts 64 --max-concurrency "$half" --warmup-requests 0 \
+                --seed "$round" --start-at "$("$py" -c "print($start - $lead)")" \
+                > "$out/split_${target}_c${c}_r$round.txt" 2>&1 &
+            clients+=("$!")
+            lead=0
+        done
+        wait "${clients[@]}"
+        split_report "$round" "$c" "${order%% *}" "$mark"
+    done
 done
 echo "logs in $out"

@@ -99,6 +99,7 @@ class BenchConfig:
     output_file: Path | None = None
     output_details: bool = False
     wait_for_server: float = 0.0  # retry GetModelInfo this long while the server is unavailable
+    start_at: float | None = None  # Unix time of the first run's start (after warm-up): clients started together
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -123,6 +124,8 @@ class BenchConfig:
             raise ValueError(f"--wait-for-server: must be >= 0, got {self.wait_for_server}")
         if self.temperature < 0:
             raise ValueError(f"--temperature: must be >= 0, got {self.temperature}")
+        if self.start_at is not None and not self.start_at > 0:
+            raise ValueError(f"--start-at: a Unix time in seconds, got {self.start_at}")
 
     @property
     def request_settings(self) -> RequestSettings:
@@ -282,6 +285,8 @@ async def run_benchmark(config: BenchConfig, codec: Any | None = None, emit: Any
         if text_codec is not None:
             space = ds.text_space(space, text_codec)
         await _warm_up(target, config, space, text_codec, emit)
+        if config.start_at is not None:
+            await _sleep_until(config.start_at, emit)
         runs = []
         index = 0
         for rate in config.request_rates:
@@ -300,6 +305,16 @@ async def run_benchmark(config: BenchConfig, codec: Any | None = None, emit: Any
         return BenchOutcome(runs, facts.model)
     finally:
         await channel.close()
+
+
+async def _sleep_until(start_at: float, emit: Any) -> None:
+    """Wait for the wall clock to reach ``start_at`` (--start-at): two clients given the same time send their
+    first requests together, whatever their own start-up took (benchmarks/router_overhead.sh)."""
+    late = time.time() - start_at
+    if late > 0:
+        emit(f"--start-at: {late:.3f} s late, starting now")
+        return
+    await asyncio.sleep(-late)
 
 
 async def _server_facts(target: Target, config: BenchConfig, deadline: float) -> ServerFacts:

@@ -70,6 +70,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     r.add_argument("--warmup-requests", type=int, default=1, help="short requests before the runs (not counted)")
     r.add_argument("--request-timeout", type=float, default=None, metavar="S", help="deadline of each request")
     r.add_argument("--flush-cache", action="store_true", help="worker: FlushCache before each run")
+    r.add_argument("--start-at", type=float, default=None, metavar="UNIX_S",
+                   help="start the first run at this wall-clock time (after connecting and warming up): clients "
+                   "given the same time start together")
     s = p.add_argument_group("sampling")
     s.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                    help="generate exactly the requested output length (default on)")
@@ -101,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
             warmup_requests=args.warmup_requests, request_timeout=args.request_timeout,
             flush_cache=args.flush_cache, security=client_security_from_args(args),
             output_file=args.output_file, output_details=args.output_details,
-            wait_for_server=args.wait_for_server)
+            wait_for_server=args.wait_for_server, start_at=args.start_at)
     except (ValueError, SecurityConfigError) as exc:
         print(f"llmserve bench-serving: {exc}", file=sys.stderr)
         return 2

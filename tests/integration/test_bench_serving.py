@@ -9,6 +9,7 @@ import json
 import signal
 import time
 from collections.abc import Iterator
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -109,6 +110,23 @@ def test_worker_multi_turn_extends_each_turn_and_hits_the_cache(worker: WorkerPr
     rc, (line,) = bench(worker.address, tmp_path / "mt.jsonl", "--backend", "worker", *MULTI_TURN, "--flush-cache")
     assert rc == 0
     check_multi_turn(line)
+
+
+def test_start_at_holds_the_first_request_until_that_wall_clock_time(worker: WorkerProcess, tmp_path: Path,
+                                                                    capsys) -> None:
+    """--start-at: the run starts at the given Unix time, not when the client is ready; a time already past
+    starts at once and says so."""
+    start_at = time.time() + 3.0
+    rc, (line,) = bench(worker.address, tmp_path / "at.jsonl", "--backend", "worker", "--num-prompts", "2",
+                        "--random-input-len", "8", "--random-output-len", "2", "--start-at", str(start_at))
+    assert rc == 0 and line["completed"] == 2
+    # The run's clock starts at its first request; the record's date is its end.
+    started = datetime.fromisoformat(line["date"]).timestamp() - line["duration"]
+    assert started >= start_at - 0.05
+    rc, (late,) = bench(worker.address, tmp_path / "at.jsonl", "--backend", "worker", "--num-prompts", "2",
+                        "--random-input-len", "8", "--random-output-len", "2", "--start-at", str(time.time() - 5))
+    assert rc == 0 and late["completed"] == 2
+    assert "--start-at: 5." in capsys.readouterr().out
 
 
 def test_worker_failures_are_counted_by_status(worker: WorkerProcess, tmp_path: Path, capsys) -> None:

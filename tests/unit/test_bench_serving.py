@@ -177,6 +177,7 @@ def test_summary_counts_failures_cache_and_throughput() -> None:
     (["--random-range-ratio", "2"], "--random-range-ratio"),
     (["--max-concurrency", "0"], "--max-concurrency: must be >= 1"),
     (["--request-timeout", "0"], "--request-timeout: must be > 0"),
+    (["--start-at", "-1"], "--start-at: a Unix time in seconds"),
 ])
 def test_bad_flags_exit_2_naming_the_flag(argv: list[str], message: str, capsys) -> None:
     assert cli_main(["bench-serving", "--address", "127.0.0.1:1", *argv]) == 2
