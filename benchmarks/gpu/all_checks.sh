@@ -6,7 +6,8 @@
 #   2. benchmarks/gpu/decode_check.sh (HF oracle with CUDA graphs on and off, bs1/bs16 decode timing);
 #   3. benchmarks/gpu/tbo_check.sh (HF oracle with two-batch overlap on CUDA streams, TP=1 timing).
 # Each part runs under its own time limit, so one that hangs does not take the others with it; each
-# part's output goes to LOGS/NAME.log (LOGS defaults to $OUT, the folder a device call brings back).
+# part's output goes to LOGS/NAME.log (LOGS defaults to $OUT, the folder a device call brings back, else
+# a temporary folder).
 #
 #   benchmarks/gpu/all_checks.sh                          # PARTS="decode_check tbo_check": only those
 #
@@ -15,7 +16,7 @@
 set -uo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root"
-logs=${LOGS:-${OUT:-$root/gpu-logs}}
+logs=${LOGS:-${OUT:-$(mktemp -d)}}
 mkdir -p "$logs"
 export PYTHON=${PYTHON:-python3} PYTHONUNBUFFERED=1
 wheels=${WHEELS:-.whl}
