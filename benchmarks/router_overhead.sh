@@ -45,10 +45,12 @@ p = "llmserve:"
 print(v[p + "time_to_first_token_seconds_sum"], v[p + "time_to_first_token_seconds_count"],
       v[p + "e2e_request_latency_seconds_sum"], v[p + "e2e_request_latency_seconds_count"])'
 }
+# Every run below: 64 requests of exactly 128 tokens in and out.
+workload=(--model "$model" --wait-for-server 300 --dataset random --random-input-len 128 --random-output-len 128
+          --random-range-ratio 1 --num-prompts 64 --warmup-requests 0)
 for c in "${levels[@]}"; do
-    "$py" -m llmserve.cli bench-serving --backend router --address "127.0.0.1:$r" --model "$model" \
-        --wait-for-server 300 --dataset random --random-input-len 128 --random-output-len 128 \
-        --random-range-ratio 1 --num-prompts 64 --max-concurrency "$c" --warmup-requests 0 > "$out/bench_c$c.txt" 2>&1
+    "$py" -m llmserve.cli bench-serving --backend router --address "127.0.0.1:$r" "${workload[@]}" \
+        --max-concurrency "$c" > "$out/bench_c$c.txt" 2>&1
     read -r rt rn re _ <<< "$(scrape "$rm")"; read -r wt wn we _ <<< "$(scrape "$wm")"
     # Cumulative counters: subtract the previous level's.
     "$py" -c "
@@ -67,12 +69,11 @@ done
 # the waves does not move (both halves subtract their own engine wait).
 split_report() {
     "$py" - "$out" "$@" <<'PY'
-import re, statistics, sys
+import json, re, statistics, sys
 out, rnd, c, order, mark = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], int(sys.argv[5])
 def report(target):
-    text = open(f"{out}/split_{target}_c{c}_r{rnd}.txt").read()
-    get = lambda label: float(re.search(label + r" \(.*?\):\s+([\d.]+)", text).group(1))
-    return get("Output token throughput"), get("Median TTFT"), get("Mean TTFT")
+    run = json.loads(open(f"{out}/split_{target}_c{c}_r{rnd}.jsonl").read())
+    return run["output_throughput"], run["median_ttft_ms"], run["mean_ttft_ms"]
 own = {"rt-": [], "bench-": []}
 for line in open(f"{out}/worker.log").readlines()[mark:]:
     if "generate finished" in line and (m := re.search(r" request_id=(rt-|bench-)\S* .*ttft_s=([\d.]+)", line)):
@@ -95,11 +96,9 @@ for round in $(seq "${SPLIT_ROUNDS:-2}"); do
         mark=$(wc -l < "$out/worker.log")
         for target in $order; do
             addr=127.0.0.1:$r; [ "$target" = worker ] && addr=127.0.0.1:$w
-            "$py" -m llmserve.cli bench-serving --backend "$target" --address "$addr" --model "$model" \
-                --wait-for-server 300 --dataset random --random-input-len 128 --random-output-len 128 \
-                --random-range-ratio 1 --num-prompts 64 --max-concurrency "$half" --warmup-requests 0 \
-                --seed "$round" --start-at "$("$py" -c "print($start - $lead)")" \
-                > "$out/split_${target}_c${c}_r$round.txt" 2>&1 &
+            "$py" -m llmserve.cli bench-serving --backend "$target" --address "$addr" "${workload[@]}" \
+                --max-concurrency "$half" --seed "$round" --start-at "$("$py" -c "print($start - $lead)")" \
+                --output-file "$out/split_${target}_c${c}_r$round.jsonl" > "$out/split_${target}_c${c}_r$round.txt" 2>&1 &
             clients+=("$!")
             lead=0
         done

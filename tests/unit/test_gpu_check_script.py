@@ -47,7 +47,7 @@ def test_the_full_sizes_fit_the_engine_they_ask_for(name: str) -> None:
     args = shlex.split(full[0])
     after = args[args.index("--batch-size") + 1:]
     batches = [int(a) for a in after[:next(i for i, a in enumerate(after) if a.startswith("--"))]]
-    limit = EngineConfig.__dataclass_fields__["max_running_requests"].default
+    limit = EngineConfig.max_running_requests  # the field's default
     if "--max-running-requests" in args:
         limit = int(args[args.index("--max-running-requests") + 1])
     assert max(batches) <= limit
