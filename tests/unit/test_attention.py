@@ -125,6 +125,48 @@ def test_decode_avx512_path_equals_the_avx2_path_and_the_reference(dtype, heads,
     assert torch.equal(CPU_OPS.decode_attention(*args), best)  # auto: the AVX512-BF16 path where it runs
 
 
+def _isas_this_host_runs() -> list[int]:
+    isas = [1]
+    if CPU_OPS is not None and CPU_OPS.decode_attention_avx512_available():
+        isas.append(2)
+    if CPU_OPS is not None and CPU_OPS.decode_attention_avx512_bf16_available():
+        isas.append(3)
+    return isas
+
+
+@needs_cpu_ops
+@pytest.mark.parametrize("query_scale", [1.0, 40.0])
+def test_decode_softmax_tails_and_peaked_scores_on_every_path(query_scale):
+    """Lengths around the 8- and 16-lane softmax steps (empty body, exact multiples, tails), and queries
+    scaled so that most probabilities underflow to 0 (scores tens to hundreds apart): each path this host
+    runs equals an fp64 softmax(q.K) V. Paths the CPU lacks are left out (reported by the AVX-512 tests)."""
+    gen = torch.Generator().manual_seed(3)
+    heads, kv_heads, dim = 9, 3, 64
+    lens = [1, 7, 8, 15, 16, 17, 31, 32, 47, 250]
+    slots_total = sum(lens) + 8
+    k_pool = torch.randn(slots_total, kv_heads, dim, generator=gen).to(torch.bfloat16)
+    v_pool = torch.randn(slots_total, kv_heads, dim, generator=gen).to(torch.bfloat16)
+    q = (torch.randn(len(lens), heads, dim, generator=gen) * query_scale).to(torch.bfloat16)
+    order = torch.randperm(slots_total, generator=gen)
+    slot_index = torch.zeros(len(lens), max(lens), dtype=torch.int64)
+    start = 0
+    for row, length in enumerate(lens):
+        slot_index[row, :length] = order[start : start + length]
+        start += length
+    seq_lens = torch.tensor(lens, dtype=torch.int64)
+    scaling = dim**-0.5
+    expected = torch.empty(len(lens), heads, dim, dtype=torch.float64)
+    for row, length in enumerate(lens):
+        keys = k_pool[slot_index[row, :length]].double().repeat_interleave(heads // kv_heads, dim=1)
+        values = v_pool[slot_index[row, :length]].double().repeat_interleave(heads // kv_heads, dim=1)
+        probs = (torch.einsum("hd,lhd->hl", q[row].double(), keys) * scaling).softmax(-1)
+        expected[row] = torch.einsum("hl,lhd->hd", probs, values)
+    for isa in _isas_this_host_runs():
+        out = CPU_OPS.decode_attention(q, k_pool, v_pool, slot_index, seq_lens, scaling, isa)
+        # bf16 output: one rounding (2^-8 relative) of values of magnitude up to ~3
+        assert (out.double() - expected).abs().max().item() <= 2e-2, f"isa {isa}"
+
+
 @needs_cpu_ops
 def test_decode_avx512_bf16_path_refuses_what_it_cannot_run():
     if not CPU_OPS.decode_attention_avx512_bf16_available():
