@@ -186,10 +186,19 @@ inline void prefetch_row(const T* row, int64_t D) {
     _mm_prefetch(reinterpret_cast<const char*>(row) + byte, _MM_HINT_T0);
 }
 
+// The K pass's look-ahead: this head's key row, or (row_span > D: the first KV head of a request) the whole
+// pool row of every KV head, keys and values, so the DRAM sees each scattered slot's K and V rows asked for
+// at once and the request's other heads (next on this thread) find them in L2.
+template <typename T>
+inline void prefetch_key_value(const T* key, const T* value, int64_t D, int64_t row_span) {
+  prefetch_row(key, row_span);
+  if (row_span > D) prefetch_row(value, row_span);
+}
+
 // GC query heads (q, out: GC consecutive heads of D = 16 NV) over one KV head's keys and values.
 template <typename T, int NV, int GC>
 LLMSERVE_AVX512 void attend_heads(const T* q, float scaling, const T* const* keys, const T* const* values, int64_t len,
-                                  float* scores, int64_t L, T* out) {
+                                  float* scores, int64_t L, T* out, int64_t row_span) {
   constexpr int64_t D = 16 * NV;
   __m512 query[GC][NV];
   const __m512 scale = _mm512_set1_ps(scaling);
@@ -198,7 +207,7 @@ LLMSERVE_AVX512 void attend_heads(const T* q, float scaling, const T* const* key
   for (int64_t t = 0; t < len; ++t) {
     // The rows of a request are scattered over the pool (one per slot, Hkv heads apart): ask for a later
     // row's lines ahead, as the hardware prefetcher does not follow the slot list.
-    if (t + kPrefetchRows < len) prefetch_row(keys[t + kPrefetchRows], D);
+    if (t + kPrefetchRows < len) prefetch_key_value(keys[t + kPrefetchRows], values[t + kPrefetchRows], D, row_span);
     __m512 key[NV];
     for (int v = 0; v < NV; ++v) key[v] = load16(keys[t] + 16 * v);
     for (int g = 0; g < GC; ++g) {
@@ -224,13 +233,14 @@ LLMSERVE_AVX512 void attend_heads(const T* q, float scaling, const T* const* key
     for (int v = 0; v < NV; ++v) store16(out + g * D + 16 * v, acc[g][v]);
 }
 
-using HeadsFn = void (*)(const void*, float, const void* const*, const void* const*, int64_t, float*, int64_t, void*);
+using HeadsFn = void (*)(const void*, float, const void* const*, const void* const*, int64_t, float*, int64_t, void*,
+                         int64_t);
 
 template <typename T, int NV, int GC>
 void heads_entry(const void* q, float scaling, const void* const* keys, const void* const* values, int64_t len,
-                 float* scores, int64_t L, void* out) {
+                 float* scores, int64_t L, void* out, int64_t row_span) {
   attend_heads<T, NV, GC>(static_cast<const T*>(q), scaling, reinterpret_cast<const T* const*>(keys),
-                          reinterpret_cast<const T* const*>(values), len, scores, L, static_cast<T*>(out));
+                          reinterpret_cast<const T* const*>(values), len, scores, L, static_cast<T*>(out), row_span);
 }
 
 // Head chunks of up to 16 / NV heads keep query (or accumulator) registers at 16 of the 32 zmm.
@@ -287,7 +297,7 @@ LLMSERVE_AVX512_BF16 inline __m512 dot_row(const __m512i (&query)[C], const __m5
 template <int C, int GC>
 LLMSERVE_AVX512_BF16 void attend_heads_bf16(const c10::BFloat16* q, float scaling, const c10::BFloat16* const* keys,
                                             const c10::BFloat16* const* values, int64_t len, float* scores, int64_t L,
-                                            c10::BFloat16* out) {
+                                            c10::BFloat16* out, int64_t row_span) {
   constexpr int64_t D = 32 * C;
   __m512i query[GC][C];
   for (int g = 0; g < GC; ++g)
@@ -297,7 +307,8 @@ LLMSERVE_AVX512_BF16 void attend_heads_bf16(const c10::BFloat16* q, float scalin
   for (; t + 4 <= len; t += 4) {
     __m512 dots[GC][4];
     for (int u = 0; u < 4; ++u) {
-      if (t + u + kPrefetchRows < len) prefetch_row(keys[t + u + kPrefetchRows], D);
+      if (t + u + kPrefetchRows < len)
+        prefetch_key_value(keys[t + u + kPrefetchRows], values[t + u + kPrefetchRows], D, row_span);
       __m512i key[C];
       for (int c = 0; c < C; ++c) key[c] = _mm512_loadu_si512(keys[t + u] + 32 * c);
       for (int g = 0; g < GC; ++g) dots[g][u] = dot_row<C>(query[g], key);
@@ -341,11 +352,11 @@ LLMSERVE_AVX512_BF16 void attend_heads_bf16(const c10::BFloat16* q, float scalin
 
 template <int C, int GC>
 void heads_entry_bf16(const void* q, float scaling, const void* const* keys, const void* const* values, int64_t len,
-                      float* scores, int64_t L, void* out) {
+                      float* scores, int64_t L, void* out, int64_t row_span) {
   attend_heads_bf16<C, GC>(static_cast<const c10::BFloat16*>(q), scaling,
                            reinterpret_cast<const c10::BFloat16* const*>(keys),
                            reinterpret_cast<const c10::BFloat16* const*>(values), len, scores, L,
-                           static_cast<c10::BFloat16*>(out));
+                           static_cast<c10::BFloat16*>(out), row_span);
 }
 
 // Query heads per call: 4 x 4 dot vectors (2 x 4 for D = 128) beside the query and key registers.
@@ -395,8 +406,11 @@ void attend_avx512(const T* q, const T* k_pool, const T* v_pool, const int64_t* 
       for (int64_t g0 = 0; g0 < groups; g0 += chunk) {
         const int gc = static_cast<int>(std::min<int64_t>(chunk, groups - g0));
         const int64_t head = b * Hq + kv_head * groups + g0;
+        // A request's first KV head asks for its whole K and V pool rows (prefetch_key_value): 11-14% faster at
+        // 64 requests x 192 tokens from DRAM, contiguous or scattered slots alike.
+        const int64_t row_span = kv_head == 0 && g0 == 0 ? Hkv * D : D;
         (bf16_dot ? heads_fn_bf16(D, gc) : heads_fn<T>(D, gc))(q + head * D, scaling, keys.data(), values.data(), len,
-                                                               scores.data(), L, out + head * D);
+                                                               scores.data(), L, out + head * D, row_span);
       }
     }
   });
