@@ -1,7 +1,8 @@
 """One layer's extend (prefill) attention: SDPA's flash kernel (attention/sdpa.py, the path before) against
-this project's AVX512-BF16 flash kernel (kernels/csrc/extend_attention_avx512.cpp), bf16, interleaved in
-rounds on the same threads; per shape the median over rounds of each side's best of N calls, with the causal
-attention's FLOPs (2 (Dk + Dv) per query head and visible key) per second.
+this project's flash kernel (kernels/csrc/extend_attention_avx512.cpp) on AVX512-BF16 and, where the CPU has
+AMX-BF16, on AMX tiles; bf16, interleaved in rounds on the same threads; per shape the median over rounds of
+each side's best of N calls, with the causal attention's FLOPs (2 (Dk + Dv) per query head and visible key)
+per second.
 
     python benchmarks/extend_attention.py [--threads 2] [--rounds 3] [--calls 7]
 """
@@ -39,8 +40,8 @@ def best_of(fn: Callable[[], object], calls: int) -> float:
     return best
 
 
-def measure(ops: object, shape: tuple[int, ...], rounds: int, calls: int, gen: torch.Generator) -> str:
-    """One table row: SDPA and ours alternated for `rounds` rounds on one shape."""
+def measure(ops: object, shape: tuple[int, ...], rounds: int, calls: int, gen: torch.Generator, amx: bool) -> str:
+    """One table row: SDPA and our paths alternated for `rounds` rounds on one shape."""
     tokens, prefix, heads, kv_heads, dk, dv = shape
     context = prefix + tokens
     q = torch.randn(tokens, heads, dk, generator=gen).bfloat16()
@@ -51,16 +52,19 @@ def measure(ops: object, shape: tuple[int, ...], rounds: int, calls: int, gen: t
     sides: dict[str, Callable[[], object]] = {
         "sdpa": lambda: attend_tokens_first(q, k, v, scale=scale, attn_mask=mask, is_causal=mask is None,
                                             enable_gqa=heads != kv_heads),
-        "ours": lambda: ops.extend_attention(q, k, v, None, prefix, scale),  # type: ignore[attr-defined]
+        "avx512_bf16": lambda: ops.extend_attention(q, k, v, None, prefix, scale, impl=1),  # type: ignore[attr-defined]
     }
-    times: dict[str, list[float]] = {"sdpa": [], "ours": []}
+    if amx:
+        sides["amx_bf16"] = lambda: ops.extend_attention(q, k, v, None, prefix, scale, impl=2)  # type: ignore[attr-defined]
+    times: dict[str, list[float]] = {name: [] for name in sides}
     for r in range(rounds):
-        for name in ("sdpa", "ours") if r % 2 == 0 else ("ours", "sdpa"):
+        for name in list(sides) if r % 2 == 0 else list(sides)[::-1]:
             times[name].append(best_of(sides[name], calls))
-    a, b = statistics.median(times["sdpa"]), statistics.median(times["ours"])
+    medians = {name: statistics.median(t) for name, t in times.items()}
     flops = 2 * heads * (dk + dv) * sum(prefix + t + 1 for t in range(tokens))
-    return (f"| {tokens} / {prefix} | {heads} / {kv_heads} x {dk} / {dv} | {a * 1e3:.2f} | {b * 1e3:.2f} | "
-            f"{flops / a / 1e9:.0f} | {flops / b / 1e9:.0f} | {a / b:.2f}x |")
+    cells = [f"{medians[name] * 1e3:.2f} ({flops / medians[name] / 1e9:.0f})" for name in sides]
+    ratios = [f"{medians['sdpa'] / medians[name]:.2f}x" for name in list(sides)[1:]]
+    return f"| {tokens} / {prefix} | {heads} / {kv_heads} x {dk} / {dv} | " + " | ".join(cells + ratios) + " |"
 
 
 def main() -> None:
@@ -74,11 +78,13 @@ def main() -> None:
         raise SystemExit("this CPU lacks AVX512-BF16 (or the C++ kernels did not build): nothing to compare")
     torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(0)
-    print("| tokens / prefix | heads (q / kv) x dims (k / v) | SDPA ms | ours ms | SDPA GFLOP/s | ours GFLOP/s "
-          "| ours / SDPA |")
-    print("|---|---|---:|---:|---:|---:|---:|")
+    amx = bool(ops.extend_attention_amx_available())  # type: ignore[attr-defined]
+    ours = ["avx512_bf16", "amx_bf16"] if amx else ["avx512_bf16"]
+    columns = ["SDPA ms (GFLOP/s)"] + [f"{name} ms (GFLOP/s)" for name in ours] + [f"SDPA / {name}" for name in ours]
+    print("| tokens / prefix | heads (q / kv) x dims (k / v) | " + " | ".join(columns) + " |")
+    print("|---|---|" + "---:|" * (1 + 2 * len(ours)))
     for shape in SHAPES:
-        print(measure(ops, shape, args.rounds, args.calls, gen))
+        print(measure(ops, shape, args.rounds, args.calls, gen, amx))
 
 
 if __name__ == "__main__":

@@ -282,21 +282,24 @@ def test_a_mixed_steps_one_token_rows_attend_as_one_decode(impl, dtype, atol):
     assert batch.attn_metadata.one_token is None
 
 
-def test_extend_through_the_avx512_bf16_kernel_equals_sdpa():
+def test_extend_through_this_projects_kernel_equals_sdpa():
     """A mixed extend step (a fresh prompt, a chunk over a cached prefix, one-token rows) through the backend
-    with this project's extend kernel: each request's rows as SDPA gives them, within bf16 rounding."""
+    with this project's extend kernel, on VDPBF16PS and (where the CPU has AMX-BF16) on AMX tiles: each
+    request's rows as SDPA gives them, within bf16 rounding."""
     if CPU_OPS is None or not CPU_OPS.extend_attention_available():
         pytest.skip("this CPU lacks AVX512-BF16 (or the C++ kernels did not build): the extend kernel cannot run")
+    kernels = ["avx512_bf16"] + (["amx_bf16"] if CPU_OPS.extend_attention_amx_available() else [])
     outs, ops_run = {}, {}
-    for impl in ("sdpa", "avx512_bf16"):
+    for impl in ["sdpa", *kernels]:
         backend = TorchNativeAttentionBackend(decode_impl="avx2", cpu_ops=CPU_OPS, extend_impl=impl)
         batch, layer, q, k, v = _mixed_extend_batch(backend, torch.bfloat16, heads=9, kv_heads=3, dim=64)
         backend.prepare(batch)
         with torch.profiler.profile() as prof:
             outs[impl] = backend.forward(q, k, v, layer, batch).float()
         ops_run[impl] = {event.key for event in prof.key_averages()}
-    torch.testing.assert_close(outs["avx512_bf16"], outs["sdpa"], rtol=0, atol=1.6e-2)
-    # The fresh prompt and the chunk went through the kernel, and SDPA did not run.
-    assert "llmserve_cpu::extend_attention" in ops_run["avx512_bf16"]
-    assert not any("scaled_dot_product" in op for op in ops_run["avx512_bf16"])
+    for impl in kernels:
+        torch.testing.assert_close(outs[impl], outs["sdpa"], rtol=0, atol=1.6e-2)
+        # The fresh prompt and the chunk went through the kernel, and SDPA did not run.
+        assert "llmserve_cpu::extend_attention" in ops_run[impl]
+        assert not any("scaled_dot_product" in op for op in ops_run[impl])
     assert "llmserve_cpu::extend_attention" not in ops_run["sdpa"]

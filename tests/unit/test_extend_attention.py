@@ -1,8 +1,9 @@
-"""This project's AVX512-BF16 extend attention (kernels/csrc/extend_attention_avx512.cpp): one request's new
-tokens over its cached prefix and themselves, causal. Held against a dense fp32 reference on the same bf16
-inputs, within what SDPA's flash kernel (the path it replaces) misses that reference by, across the shapes
-the kernel tiles differently: tokens and prefixes off the 4-row / 32-row / 64-key blocks, GQA and MQA, MLA's
-wider keys, head sizes 32 to 192, the context read from a pool by slot or from strided views."""
+"""This project's extend attention (kernels/csrc/extend_attention_avx512.cpp), on AVX512-BF16 and on AMX tiles:
+one request's new tokens over its cached prefix and themselves, causal. Held against a dense fp32 reference on
+the same bf16 inputs, within what SDPA's flash kernel (the path it replaces) misses that reference by, across
+the shapes the kernel tiles differently: tokens and prefixes off the 4-row / 16-row / 32-row / 64-key blocks,
+GQA and MQA, MLA's wider keys, head sizes 32 to 192, the context read from a pool by slot or from strided
+views. The AMX path runs where the CPU has AMX-BF16 and is reported skipped elsewhere."""
 
 from __future__ import annotations
 
@@ -13,11 +14,15 @@ import torch.nn.functional as F
 from worker_svc.attention.torch_native import TorchNativeAttentionBackend
 from worker_svc.kernels import cpu_ext
 
+AVX512_BF16, AMX = 1, 2  # the kernel's impl argument
 
-def _ops():
+
+def _ops(impl=AVX512_BF16):
     ops = cpu_ext.load()
     if ops is None or not ops.extend_attention_available():
         pytest.skip("this CPU lacks AVX512-BF16 (or the C++ kernels did not build): the extend kernel cannot run")
+    if impl == AMX and not ops.extend_attention_amx_available():
+        pytest.skip("this CPU (or its OS) does not grant AMX-BF16: the AMX extend attention cannot run")
     return ops
 
 
@@ -53,8 +58,11 @@ def _sdpa(query, keys, values, mask, scale):
         (9, 25, 4, 4, 192, 128),  # DeepSeek-V2's MLA head sizes
     ],
 )
-def test_equals_the_fp32_reference_as_closely_as_sdpa(tokens, prefix, heads, kv_heads, dim, v_dim):
-    ops = _ops()
+@pytest.mark.parametrize("impl", [AVX512_BF16, AMX], ids=["avx512_bf16", "amx_bf16"])
+def test_equals_the_fp32_reference_as_closely_as_sdpa(impl, tokens, prefix, heads, kv_heads, dim, v_dim):
+    ops = _ops(impl)
+    if impl == AMX and dim % 32:
+        pytest.skip("AMX tiles take key heads in multiples of 32: this shape runs on AVX512-BF16 (refusal tested)")
     gen = torch.Generator().manual_seed(7 * tokens + prefix)
     context = prefix + tokens
     query = torch.randn(tokens, heads, dim, generator=gen).bfloat16()
@@ -62,7 +70,7 @@ def test_equals_the_fp32_reference_as_closely_as_sdpa(tokens, prefix, heads, kv_
     values = torch.randn(context, kv_heads, v_dim, generator=gen).bfloat16()
     scale = dim**-0.5
     expected, mask = _reference(query, keys, values, prefix, scale)
-    out = ops.extend_attention(query, keys, values, None, prefix, scale)
+    out = ops.extend_attention(query, keys, values, None, prefix, scale, impl=impl)
     assert out.shape == (tokens, heads, v_dim) and out.dtype == torch.bfloat16
     sdpa_error = (_sdpa(query, keys, values, mask, scale).float() - expected).abs().max().item()
     error = (out.float() - expected).abs().max().item()
@@ -74,12 +82,13 @@ def test_equals_the_fp32_reference_as_closely_as_sdpa(tokens, prefix, heads, kv_
     v_pool = torch.randn(pool_rows, kv_heads, v_dim, generator=gen).bfloat16()
     slots = torch.randperm(pool_rows, generator=gen)[:context]
     k_pool[slots], v_pool[slots] = keys, values
-    assert torch.equal(ops.extend_attention(query, k_pool, v_pool, slots, prefix, scale), out)
+    assert torch.equal(ops.extend_attention(query, k_pool, v_pool, slots, prefix, scale, impl=impl), out)
 
 
-def test_reads_strided_views_as_the_model_hands_them_over():
+@pytest.mark.parametrize("impl", [AVX512_BF16, AMX], ids=["avx512_bf16", "amx_bf16"])
+def test_reads_strided_views_as_the_model_hands_them_over(impl):
     """q, k, v narrowed out of one qkv row ([tokens, q + 2 kv] wide), values with a head stride of their own."""
-    ops = _ops()
+    ops = _ops(impl)
     tokens, heads, kv_heads, dim = 45, 9, 3, 64
     gen = torch.Generator().manual_seed(3)
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen).bfloat16()
@@ -88,8 +97,9 @@ def test_reads_strided_views_as_the_model_hands_them_over():
     kv_wide = torch.randn(tokens, kv_heads, 2 * dim, generator=gen).bfloat16()
     v = kv_wide[..., dim:]  # head stride 2 dim
     scale = dim**-0.5
-    out = ops.extend_attention(q, k, v, None, 0, scale)
-    assert torch.equal(out, ops.extend_attention(q.contiguous(), k.contiguous(), v.contiguous(), None, 0, scale))
+    out = ops.extend_attention(q, k, v, None, 0, scale, impl=impl)
+    assert torch.equal(out, ops.extend_attention(q.contiguous(), k.contiguous(), v.contiguous(), None, 0, scale,
+                                                 impl=impl))
     expected, _ = _reference(q, k, v, 0, scale)
     torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=0)
 
@@ -112,6 +122,22 @@ def test_bad_arguments_are_refused_with_the_reason(change, message):
     q, k, v = torch.zeros(8, 9, 64).bfloat16(), torch.zeros(8, 3, 64).bfloat16(), torch.zeros(8, 3, 64).bfloat16()
     with pytest.raises(RuntimeError, match=message):
         ops.extend_attention(*change(q, k, v, torch.arange(8)), 0.125)
+
+
+def test_auto_takes_amx_where_it_fits_and_amx_refuses_what_it_cannot_run():
+    ops = _ops()
+    q, k, v = torch.randn(20, 4, 48).bfloat16(), torch.randn(20, 4, 48).bfloat16(), torch.randn(20, 4, 32).bfloat16()
+    # Key heads of 48: never the AMX path; auto runs AVX512-BF16, bit for bit.
+    assert torch.equal(ops.extend_attention(q, k, v, None, 0, 0.1), ops.extend_attention(q, k, v, None, 0, 0.1, impl=1))
+    with pytest.raises(RuntimeError, match="AMX path needs AMX-BF16 and key heads a multiple of 32"):
+        ops.extend_attention(q, k, v, None, 0, 0.1, impl=AMX)
+    with pytest.raises(RuntimeError, match="impl must be 0"):
+        ops.extend_attention(q, k, v, None, 0, 0.1, impl=3)
+    q, k, v = torch.randn(20, 4, 64).bfloat16(), torch.randn(20, 4, 64).bfloat16(), torch.randn(20, 4, 64).bfloat16()
+    best = AMX if ops.extend_attention_amx_available() else AVX512_BF16
+    assert ops.extend_attention_auto_impl(64, 64) == best
+    auto = ops.extend_attention(q, k, v, None, 0, 0.1)
+    assert torch.equal(auto, ops.extend_attention(q, k, v, None, 0, 0.1, impl=best))
 
 
 def test_the_backend_takes_the_kernel_only_where_it_was_chosen():

@@ -108,15 +108,19 @@ def test_attention_follows_the_model_kind_and_the_cpu_kernels():
     assert isinstance(backend, TorchNativeMLABackend) and backend.mla_decode == "normal"
 
 
-def test_extend_attention_takes_the_avx512_bf16_kernel_where_it_fits():
+def test_extend_attention_takes_this_projects_kernel_where_it_fits():
+    """AMX tiles where the CPU has AMX-BF16 and key heads are a multiple of 32, VDPBF16PS otherwise; the plan
+    names the path the kernel's own auto choice runs."""
     ops = cpu_ext.load()
     if ops is None or not ops.extend_attention_available():
         assert _plan().describe()["attention_extend"] == "sdpa"  # what a host without AVX512-BF16 runs
         pytest.skip("this CPU lacks AVX512-BF16 (or the C++ kernels did not build): only the SDPA choice checked")
-    assert _plan().attention_extend == "avx512_bf16" and _plan().describe()["attention_extend"] == "avx512_bf16"
+    best = "amx_bf16" if ops.extend_attention_amx_available() else "avx512_bf16"
+    assert _plan().attention_extend == best and _plan().describe()["attention_extend"] == best
     assert _plan(torch.float32).attention_extend == "sdpa" and _plan(torch.float16).attention_extend == "sdpa"
     assert _plan(head_dim=48).attention_extend == "sdpa"  # values not in multiples of 32
-    assert _plan(mla=True, head_dim=192, v_head_dim=128).attention_extend == "avx512_bf16"
+    assert _plan(mla=True, head_dim=48, v_head_dim=32).attention_extend == "avx512_bf16"  # keys off AMX's 32
+    assert _plan(mla=True, head_dim=192, v_head_dim=128).attention_extend == best
     assert _plan(deterministic_inference=True).describe()["attention_extend"] == "row_wise"
     assert attention_backend(_plan())._extend_kernel is not None
     assert attention_backend(_plan(torch.float32))._extend_kernel is None

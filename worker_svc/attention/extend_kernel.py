@@ -1,22 +1,25 @@
 """Which kernel runs an extend's attention (one request's new tokens over its prefix and themselves): SDPA
-(attention/sdpa.py) or this project's AVX512-BF16 flash kernel (kernels/csrc/extend_attention_avx512.cpp),
-as the kernel plan chose (executor/kernel_choice.py). Shared by the MHA and MLA backends."""
+(attention/sdpa.py) or this project's flash kernel (kernels/csrc/extend_attention_avx512.cpp) on AVX512-BF16
+or on AMX tiles, as the kernel plan chose (executor/kernel_choice.py). Shared by the MHA and MLA backends."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
-EXTEND_IMPLS = ("sdpa", "avx512_bf16")
+EXTEND_IMPLS = ("sdpa", "avx512_bf16", "amx_bf16")
+# The C++ kernel's `impl` argument for each of its paths.
+_KERNEL_IMPL = {"avx512_bf16": 1, "amx_bf16": 2}
 
 
 def extend_kernel(extend_impl: str, cpu_ops: object | None) -> Callable[..., Any] | None:
-    """The C++ extend attention for ``extend_impl="avx512_bf16"`` (``torch.ops.llmserve_cpu.extend_attention``),
-    None for SDPA."""
+    """The C++ extend attention (``torch.ops.llmserve_cpu.extend_attention``) bound to the path
+    ``extend_impl`` names, None for SDPA."""
     if extend_impl not in EXTEND_IMPLS:
         raise ValueError(f"extend_impl must be one of {', '.join(EXTEND_IMPLS)}, got {extend_impl!r}")
     if extend_impl == "sdpa":
         return None
     if cpu_ops is None:
-        raise ValueError("extend_impl 'avx512_bf16' needs the CPU kernels (layers.cpu_ext.load())")
-    return cpu_ops.extend_attention  # type: ignore[attr-defined]
+        raise ValueError(f"extend_impl {extend_impl!r} needs the CPU kernels (layers.cpu_ext.load())")
+    return functools.partial(cpu_ops.extend_attention, impl=_KERNEL_IMPL[extend_impl])  # type: ignore[attr-defined]

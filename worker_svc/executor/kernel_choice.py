@@ -60,8 +60,9 @@ class KernelPlan:
     # Inside the C++ decode attention ("avx2", the backend's name for it): "avx512" where the CPU has AVX-512
     # and the model runs in bf16 / fp16 (head sizes 32, 64, 128; others take the AVX2 code), else "avx2".
     attention_isa: str = "avx2"
-    # Extend (prefill) attention: "avx512_bf16" (this project's flash kernel, kernels/csrc/extend_attention_avx512.cpp)
-    # for bf16 models where the CPU has AVX512-BF16 and the head dims fit it, else "sdpa" (attention/sdpa.py).
+    # Extend (prefill) attention: this project's flash kernel (kernels/csrc/extend_attention_avx512.cpp) for bf16
+    # models where the CPU has AVX512-BF16 and the head dims fit it, on AMX tiles ("amx_bf16") where the CPU has
+    # AMX-BF16 and key heads are a multiple of 32, else on VDPBF16PS ("avx512_bf16"); else "sdpa" (attention/sdpa.py).
     attention_extend: str = "sdpa"
 
     @property
@@ -215,12 +216,14 @@ def _decode_attention_isa(cpu_ops: object | None, dtype: torch.dtype, head_dim: 
 
 
 def _extend_attention(cpu_ops: object | None, dtype: torch.dtype, head_dim: int, v_head_dim: int) -> str:
-    """"avx512_bf16" where this project's extend attention runs these heads (bf16, AVX512-BF16, an even key
-    head, values in multiples of 32), else "sdpa"."""
+    """Where this project's extend attention runs these heads (bf16, AVX512-BF16, an even key head, values in
+    multiples of 32): "amx_bf16" where the kernel's own auto choice takes its AMX path (AMX-BF16, key heads a
+    multiple of 32), else "avx512_bf16"; "sdpa" where it does not run."""
     fits = dtype == torch.bfloat16 and head_dim % 2 == 0 and v_head_dim % 32 == 0
     if cpu_ops is None or not fits or not cpu_ops.extend_attention_available():  # type: ignore[attr-defined]
         return "sdpa"
-    return "avx512_bf16"
+    amx = int(cpu_ops.extend_attention_auto_impl(head_dim, v_head_dim)) == 2  # type: ignore[attr-defined]
+    return "amx_bf16" if amx else "avx512_bf16"
 
 
 def apply_kernels(model: nn.Module, plan: KernelPlan) -> None:

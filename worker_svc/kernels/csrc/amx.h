@@ -48,15 +48,22 @@ struct alignas(64) AmxTileConfig {
 };
 
 // tmm0-7 all 16 rows of 64 bytes. Tile state is per thread: load it in each thread before its tiles,
-// _tile_release() after.
-LLMSERVE_AMX inline void load_amx_tile_config() {
-  AmxTileConfig config;
-  for (int t = 0; t < 8; ++t) {
-    config.colsb[t] = 64;
-    config.rows[t] = kAmxTileRows;
-  }
-  _tile_loadconfig(&config);
+// _tile_release() after. The configuration is one static object, not a local: GCC dropped the column-width
+// stores of a local one as dead (LDTILECFG's read of it unseen) in one caller, and a configuration with rows
+// but no columns faults (#GP).
+inline const AmxTileConfig& all_tiles_16x64() {
+  static const AmxTileConfig config = [] {
+    AmxTileConfig c;
+    for (int t = 0; t < 8; ++t) {
+      c.colsb[t] = 64;
+      c.rows[t] = kAmxTileRows;
+    }
+    return c;
+  }();
+  return config;
 }
+
+LLMSERVE_AMX inline void load_amx_tile_config() { _tile_loadconfig(&all_tiles_16x64()); }
 
 // The tile step every AMX kernel here takes: C tiles tmm0-3 (row block i, output group j at tmm i * 2 + j)
 // for MB row blocks (1..2) x NB output groups (1..2), A in tmm4-5, B in tmm6-7.

@@ -17,6 +17,13 @@
 //
 // Threads take tasks (a query head x a block of 32 query rows) from a shared counter, the costliest (last
 // rows: the most keys) first.
+//
+// AMX (run_task_amx, CPUs with AMX-BF16, key heads a multiple of 32): the same packing is AMX's B operand
+// for both products, so each product is tile multiplies (TDPBF16PS: 16 x 32 by 32 x 16) instead of
+// broadcast VDPBF16PS: scores of 16 query rows x 64 keys are Dk / 32 x 4 tile products against the query rows
+// (A, 16 rows x 32 dims); P . V are 2 x Dv / 16 tile products of P (A: 16 rows x 32 keys, bf16) against the
+// packed values. Same fp32 scores, online softmax and bf16 P as the AVX512-BF16 path; the block's P . V is
+// added to the running output (rescaled by the row's correction) in fp32. Tasks are 16 query rows.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -31,6 +38,7 @@
 #include <limits>
 #include <vector>
 
+#include "amx.h"
 #include "avx512.h"
 
 namespace {
@@ -214,6 +222,154 @@ LLMSERVE_AVX512_BF16 void run_task(const Problem& pb, int64_t hq, int64_t t0, in
   }
 }
 
+// ---- AMX ------------------------------------------------------------------------------------------------
+
+constexpr int64_t kAmxRows = llmserve::kAmxTileRows;  // query rows per task: one A tile
+constexpr int64_t kAmxDimGroup = 16;                   // output dims (or keys) per C tile
+
+struct AmxTaskState {
+  std::vector<uint16_t> q;                             // [16][Dk]: the task's query rows, zero past the last
+  std::vector<float> o;                                // [16][Dv] fp32 output accumulators
+  float max[kAmxRows], sum[kAmxRows];
+  alignas(64) float scores[kAmxRows][kKeyBlock];       // C tiles 0-3 of the score product
+  alignas(64) uint16_t probs[kAmxRows][kKeyBlock];     // P in bf16, keys in order: A of the value product
+  alignas(64) float pv[kAmxRows][4 * kAmxDimGroup];    // C tiles 0-3 of a value product (64 dims)
+};
+
+// C tiles 0..n-1 (n <= 4): zero / store with a row stride of `stride` bytes, tile g at column 16 g.
+LLMSERVE_AMX inline void zero_tiles(int n) {
+  _tile_zero(0);
+  if (n > 1) _tile_zero(1);
+  if (n > 2) _tile_zero(2);
+  if (n > 3) _tile_zero(3);
+}
+
+LLMSERVE_AMX inline void store_tiles(int n, float* c, int64_t stride) {
+  _tile_stored(0, c, stride);
+  if (n > 1) _tile_stored(1, c + kAmxDimGroup, stride);
+  if (n > 2) _tile_stored(2, c + 2 * kAmxDimGroup, stride);
+  if (n > 3) _tile_stored(3, c + 3 * kAmxDimGroup, stride);
+}
+
+// tmm4 holds A; C tile g += A . B_g for g < n, B_g at b + g * b_step words (16 rows, b_stride bytes apart).
+LLMSERVE_AMX inline void multiply_tiles(int n, const uint32_t* b, int64_t b_step, int64_t b_stride) {
+  _tile_loadd(6, b, b_stride);
+  _tile_dpbf16ps(0, 4, 6);
+  if (n > 1) {
+    _tile_loadd(7, b + b_step, b_stride);
+    _tile_dpbf16ps(1, 4, 7);
+  }
+  if (n > 2) {
+    _tile_loadd(6, b + 2 * b_step, b_stride);
+    _tile_dpbf16ps(2, 4, 6);
+  }
+  if (n > 3) {
+    _tile_loadd(7, b + 3 * b_step, b_stride);
+    _tile_dpbf16ps(3, 4, 7);
+  }
+}
+
+// Query head hq, rows [t0, t0 + rows) (rows <= 16), as run_task computes them.
+LLMSERVE_AMX void run_task_amx(const Problem& pb, int64_t hq, int64_t t0, int64_t rows, AmxTaskState& st) {
+  const int64_t h = hq / (pb.Hq / pb.Hkv), pairs = pb.Dk / 2;
+  const uint32_t* keys = pb.keys + h * pb.key_blocks * pairs * kKeyBlock;
+  const uint32_t* values = pb.values + h * pb.key_blocks * (kKeyBlock / 2) * pb.Dv;
+  std::fill(st.q.begin(), st.q.end(), uint16_t{0});
+  for (int64_t m = 0; m < rows; ++m)
+    std::memcpy(st.q.data() + m * pb.Dk, pb.q + (t0 + m) * pb.q_row + hq * pb.q_head, pb.Dk * sizeof(uint16_t));
+  std::fill(st.o.begin(), st.o.end(), 0.f);
+  std::fill(st.max, st.max + kAmxRows, -std::numeric_limits<float>::infinity());
+  std::fill(st.sum, st.sum + kAmxRows, 0.f);
+  const __m512 scale = _mm512_set1_ps(pb.scale), minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const int64_t blocks = (pb.prefix + t0 + rows + kKeyBlock - 1) / kKeyBlock;  // the last row's keys
+  for (int64_t b = 0; b < blocks; ++b) {
+    // Scores: 16 rows x 64 keys, Dk / 32 steps of 4 tile products (B: 16 dim pairs x 16 keys, 256 bytes a row).
+    const uint32_t* kb = keys + b * pairs * kKeyBlock;
+    zero_tiles(4);
+    for (int64_t kc = 0; kc < pb.Dk; kc += llmserve::kAmxTileK) {
+      _tile_loadd(4, st.q.data() + kc, pb.Dk * sizeof(uint16_t));
+      multiply_tiles(4, kb + (kc / 2) * kKeyBlock, kAmxDimGroup, kKeyBlock * sizeof(uint32_t));
+    }
+    store_tiles(4, &st.scores[0][0], kKeyBlock * sizeof(float));
+    // Online softmax per row (rows past the last live one repeat its mask; their output is never stored).
+    alignas(64) float shift_by[kAmxRows];
+    for (int64_t m = 0; m < kAmxRows; ++m) {
+      const int64_t seen = std::clamp<int64_t>(pb.prefix + t0 + std::min(m, rows - 1) + 1 - b * kKeyBlock, 0, kKeyBlock);
+      __m512 peak = minus_inf;
+      for (int v = 0; v < kKeyVecs; ++v) {
+        const int64_t left = seen - v * kLanes;
+        const __mmask16 keep = left >= kLanes ? __mmask16(0xFFFF) : left <= 0 ? __mmask16(0) : __mmask16((1u << left) - 1);
+        const __m512 s = _mm512_mask_mul_ps(minus_inf, keep, _mm512_load_ps(st.scores[m] + v * kLanes), scale);
+        _mm512_store_ps(st.scores[m] + v * kLanes, s);
+        peak = _mm512_max_ps(peak, s);
+      }
+      // Every row sees key 0 in block 0, so the new max is finite; the first block's correction is e^-inf = 0.
+      const float new_max = std::max(st.max[m], _mm512_reduce_max_ps(peak));
+      shift_by[m] = st.max[m] - new_max;
+      st.max[m] = new_max;
+    }
+    alignas(64) float corr[kAmxRows];
+    _mm512_store_ps(corr, exp16(_mm512_load_ps(shift_by)));
+    for (int64_t m = 0; m < kAmxRows; ++m) {
+      const __m512 shift = _mm512_set1_ps(st.max[m]);
+      __m512 e[kKeyVecs], total = _mm512_setzero_ps();
+      for (int v = 0; v < kKeyVecs; ++v) {
+        e[v] = exp16(_mm512_sub_ps(_mm512_load_ps(st.scores[m] + v * kLanes), shift));
+        total = _mm512_add_ps(total, e[v]);
+      }
+      st.sum[m] = st.sum[m] * corr[m] + _mm512_reduce_add_ps(total);
+      for (int v = 0; v < kKeyVecs; v += 2) {
+        const __m512bh pair = _mm512_cvtne2ps_pbh(e[v + 1], e[v]);  // keys 16 v .. 16 v + 31 in order
+        _mm512_store_si512(st.probs[m] + v * kLanes, reinterpret_cast<const __m512i&>(pair));
+      }
+    }
+    // P . V, 64 output dims at a time: 2 key halves x up to 4 tile products (B: 16 key pairs x 16 dims).
+    const uint32_t* vb = values + b * (kKeyBlock / 2) * pb.Dv;
+    for (int64_t d0 = 0; d0 < pb.Dv; d0 += 4 * kAmxDimGroup) {
+      const int groups = static_cast<int>(std::min<int64_t>(4, (pb.Dv - d0) / kAmxDimGroup));
+      zero_tiles(groups);
+      for (int64_t half = 0; half < 2; ++half) {
+        _tile_loadd(4, &st.probs[0][0] + half * (kKeyBlock / 2), kKeyBlock * sizeof(uint16_t));
+        multiply_tiles(groups, vb + half * (kKeyBlock / 4) * pb.Dv + d0, kAmxDimGroup, pb.Dv * sizeof(uint32_t));
+      }
+      store_tiles(groups, &st.pv[0][0], 4 * kAmxDimGroup * sizeof(float));
+      for (int64_t m = 0; m < rows; ++m) {
+        const __m512 c = _mm512_set1_ps(corr[m]);
+        float* o = st.o.data() + m * pb.Dv + d0;
+        for (int g = 0; g < groups; ++g)
+          _mm512_storeu_ps(o + g * kLanes, _mm512_fmadd_ps(_mm512_loadu_ps(o + g * kLanes), c,
+                                                           _mm512_load_ps(st.pv[m] + g * kLanes)));
+      }
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const __m512 inv = _mm512_set1_ps(1.f / st.sum[r]);
+    uint16_t* dst = pb.out + ((t0 + r) * pb.Hq + hq) * pb.Dv;
+    for (int64_t d = 0; d < pb.Dv; d += kLanes)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d),
+                          llmserve::to_bf16(_mm512_mul_ps(_mm512_loadu_ps(st.o.data() + r * pb.Dv + d), inv)));
+  }
+}
+
+LLMSERVE_AMX void run_tasks_amx(const Problem& pb, std::atomic<int64_t>& next, int64_t query_blocks) {
+  llmserve::load_amx_tile_config();  // tile state is per thread
+  AmxTaskState st;
+  st.q.resize(kAmxRows * pb.Dk);
+  st.o.resize(kAmxRows * pb.Dv);
+  const int64_t tasks = query_blocks * pb.Hq;
+  for (int64_t i = next++; i < tasks; i = next++) {
+    const int64_t qb = query_blocks - 1 - i / pb.Hq, hq = i % pb.Hq;  // the last blocks (most keys) first
+    const int64_t t0 = qb * kAmxRows;
+    run_task_amx(pb, hq, t0, std::min(kAmxRows, pb.T - t0), st);
+  }
+  _tile_release();
+}
+
+bool amx_fits(int64_t Dk, int64_t Dv) { return llmserve::cpu_has_amx_bf16() && Dk % 32 == 0 && Dv % 16 == 0; }
+
+// 1 = AVX512-BF16, 2 = AMX: the path impl 0 (auto) runs for these head sizes.
+int64_t auto_impl(int64_t Dk, int64_t Dv) { return amx_fits(Dk, Dv) ? 2 : 1; }
+
 void check_kv(const at::Tensor& t, const char* name, int64_t heads) {
   TORCH_CHECK(t.scalar_type() == at::kBFloat16 && t.device().is_cpu() && t.dim() == 3, "extend_attention: ", name,
               " must be a bfloat16 CPU tensor [rows, kv_heads, dim]");
@@ -223,9 +379,11 @@ void check_kv(const at::Tensor& t, const char* name, int64_t heads) {
 
 // q [T, Hq, Dk]; keys [rows, Hkv, Dk], values [rows, Hkv, Dv] (rows: the context, or the pool with `slots`
 // [prefix + T] naming each context position's row); query t attends to context [0, prefix + t]. -> [T, Hq, Dv].
+// impl: 0 = the best that fits (AMX where the CPU has it and Dk is a multiple of 32), 1 = AVX512-BF16, 2 = AMX.
 at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
-                            const c10::optional<at::Tensor>& slots_opt, int64_t prefix, double scale) {
+                            const c10::optional<at::Tensor>& slots_opt, int64_t prefix, double scale, int64_t impl) {
   TORCH_CHECK(cpu_has_avx512_bf16(), "extend_attention: this CPU lacks AVX512-BF16");
+  TORCH_CHECK(impl >= 0 && impl <= 2, "extend_attention: impl must be 0 (auto), 1 (avx512_bf16) or 2 (amx_bf16)");
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && q.device().is_cpu() && q.dim() == 3 && q.stride(2) == 1,
               "extend_attention: q must be a bfloat16 CPU tensor [tokens, heads, dim], each head contiguous");
   const int64_t T = q.size(0), Hq = q.size(1), Dk = q.size(2), Hkv = keys.dim() == 3 ? keys.size(1) : 0;
@@ -252,6 +410,9 @@ at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& keys, const a
     TORCH_CHECK(keys.size(0) >= C && values.size(0) >= C, "extend_attention: keys and values need prefix + tokens (",
                 C, ") rows without slots");
   }
+  const int64_t path = impl == 0 ? auto_impl(Dk, Dv) : impl;
+  TORCH_CHECK(path != 2 || amx_fits(Dk, Dv), "extend_attention: the AMX path needs AMX-BF16 and key heads a multiple "
+              "of 32 (", Dk, ")");
   at::Tensor out = at::empty({T, Hq, Dv}, q.options());
   if (T == 0) return out;
   const int64_t key_blocks = (C + kKeyBlock - 1) / kKeyBlock;
@@ -269,8 +430,14 @@ at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& keys, const a
   const Problem pb{reinterpret_cast<const uint16_t*>(q.data_ptr()), q.stride(0), q.stride(1), T, prefix, Hq, Hkv, Dk, Dv,
                    static_cast<float>(scale), packed_keys.data(), packed_values.data(), key_blocks,
                    reinterpret_cast<uint16_t*>(out.data_ptr())};
-  const int64_t query_blocks = (T + kQueryBlock - 1) / kQueryBlock, tasks = query_blocks * Hq;
   std::atomic<int64_t> next{0};
+  if (path == 2) {
+    const int64_t query_blocks = (T + kAmxRows - 1) / kAmxRows;
+    const int64_t threads = std::min<int64_t>(at::get_num_threads(), query_blocks * Hq);
+    at::parallel_for(0, threads, 1, [&](int64_t, int64_t) { run_tasks_amx(pb, next, query_blocks); });
+    return out;
+  }
+  const int64_t query_blocks = (T + kQueryBlock - 1) / kQueryBlock, tasks = query_blocks * Hq;
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), tasks);
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     TaskState st;
@@ -287,12 +454,17 @@ at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& keys, const a
 }
 
 bool extend_attention_available() { return cpu_has_avx512_bf16(); }
+bool extend_attention_amx_available() { return llmserve::cpu_has_amx_bf16(); }
+int64_t extend_attention_auto_impl(int64_t head_dim, int64_t v_head_dim) { return auto_impl(head_dim, v_head_dim); }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(llmserve_cpu, m) {
   m.def("extend_attention_available() -> bool", &extend_attention_available);
-  m.def("extend_attention(Tensor q, Tensor keys, Tensor values, Tensor? slots, int prefix, float scale) -> Tensor");
+  m.def("extend_attention_amx_available() -> bool", &extend_attention_amx_available);
+  m.def("extend_attention_auto_impl(int head_dim, int v_head_dim) -> int", &extend_attention_auto_impl);
+  m.def("extend_attention(Tensor q, Tensor keys, Tensor values, Tensor? slots, int prefix, float scale, "
+        "int impl=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(llmserve_cpu, CPU, m) { m.impl("extend_attention", &extend_attention); }
