@@ -65,8 +65,53 @@ struct Source {
   }
 };
 
+// In place: m[r] word c <- m[c] word r (a 16 x 16 transpose of 32-bit words).
+LLMSERVE_AVX512 inline void transpose16(__m512i (&m)[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(m[i], m[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(m[i], m[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    m[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    m[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    m[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    m[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int i = 0; i < 16; i += 8)
+    for (int j = 0; j < 4; ++j) {
+      t[i + j] = _mm512_shuffle_i32x4(m[i + j], m[i + j + 4], 0x88);
+      t[i + j + 4] = _mm512_shuffle_i32x4(m[i + j], m[i + j + 4], 0xdd);
+    }
+  for (int j = 0; j < 8; ++j) {
+    m[j] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0x88);
+    m[j + 8] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0xdd);
+  }
+}
+
+// pack_key_block for key heads of whole 32-dim tiles: 16 keys x 16 dim pairs transposed in registers (the
+// scalar copy took about half of a 64-token chunk's attention over a 512-token prefix on AMX).
+LLMSERVE_AVX512 void pack_key_block_avx512(const Source& keys, int64_t h, int64_t b, int64_t C, int64_t Dk,
+                                           uint32_t* dst) {
+  const int64_t pairs = Dk / 2;
+  for (int64_t i0 = 0; i0 < kKeyBlock; i0 += kLanes) {
+    const uint32_t* rows[kLanes];  // null past the context: zero keys
+    for (int64_t r = 0; r < kLanes; ++r) {
+      const int64_t c = b * kKeyBlock + i0 + r;
+      rows[r] = c < C ? reinterpret_cast<const uint32_t*>(keys.row(c, h)) : nullptr;
+    }
+    for (int64_t p0 = 0; p0 < pairs; p0 += kLanes) {
+      __m512i m[kLanes];
+      for (int64_t r = 0; r < kLanes; ++r) m[r] = rows[r] ? _mm512_loadu_si512(rows[r] + p0) : _mm512_setzero_si512();
+      transpose16(m);
+      for (int64_t r = 0; r < kLanes; ++r) _mm512_storeu_si512(dst + (p0 + r) * kKeyBlock + i0, m[r]);
+    }
+  }
+}
+
 // Keys of kv head h, block b -> packed [Dk / 2][64][2] (as 32-bit words: [Dk / 2][64]).
 void pack_key_block(const Source& keys, int64_t h, int64_t b, int64_t C, int64_t Dk, uint32_t* dst) {
+  if (Dk % 32 == 0) return pack_key_block_avx512(keys, h, b, C, Dk, dst);
   const int64_t pairs = Dk / 2;
   for (int64_t i = 0; i < kKeyBlock; ++i) {
     const int64_t c = b * kKeyBlock + i;
@@ -370,6 +415,21 @@ bool amx_fits(int64_t Dk, int64_t Dv) { return llmserve::cpu_has_amx_bf16() && D
 // 1 = AVX512-BF16, 2 = AMX: the path impl 0 (auto) runs for these head sizes.
 int64_t auto_impl(int64_t Dk, int64_t Dv) { return amx_fits(Dk, Dv) ? 2 : 1; }
 
+// Room for a call's packed keys and values (every word is written by the packing), kept by the calling thread
+// for its next call: a fresh allocation of this size is mmapped and page-faulted on each call, which took about
+// as long as the packing itself (~100 us a call at a 576-token context). Contexts too large to keep around
+// (over 64 MiB packed) get a one-off buffer.
+uint32_t* packing_buffer(int64_t words, std::vector<uint32_t>& one_off) {
+  constexpr int64_t kKeptWords = (int64_t(64) << 20) / sizeof(uint32_t);
+  if (words > kKeptWords) {
+    one_off.resize(words);
+    return one_off.data();
+  }
+  thread_local std::vector<uint32_t> kept;
+  if (static_cast<int64_t>(kept.size()) < words) kept.resize(words);
+  return kept.data();
+}
+
 void check_kv(const at::Tensor& t, const char* name, int64_t heads) {
   TORCH_CHECK(t.scalar_type() == at::kBFloat16 && t.device().is_cpu() && t.dim() == 3, "extend_attention: ", name,
               " must be a bfloat16 CPU tensor [rows, kv_heads, dim]");
@@ -417,18 +477,21 @@ at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& keys, const a
   if (T == 0) return out;
   const int64_t key_blocks = (C + kKeyBlock - 1) / kKeyBlock;
   const int64_t key_words = key_blocks * (Dk / 2) * kKeyBlock, value_words = key_blocks * (kKeyBlock / 2) * Dv;
-  std::vector<uint32_t> packed_keys(Hkv * key_words), packed_values(Hkv * value_words);
+  std::vector<uint32_t> one_off;
+  uint32_t* packed = packing_buffer(Hkv * (key_words + value_words), one_off);
+  uint32_t* const packed_keys = packed;
+  uint32_t* const packed_values = packed + Hkv * key_words;
   const Source ks{reinterpret_cast<const uint16_t*>(keys.data_ptr()), keys.stride(0), keys.stride(1), slots};
   const Source vs{reinterpret_cast<const uint16_t*>(values.data_ptr()), values.stride(0), values.stride(1), slots};
   at::parallel_for(0, Hkv * key_blocks, 4, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t h = i / key_blocks, b = i % key_blocks;
-      pack_key_block(ks, h, b, C, Dk, packed_keys.data() + h * key_words + b * (Dk / 2) * kKeyBlock);
-      pack_value_block(vs, h, b, C, Dv, packed_values.data() + h * value_words + b * (kKeyBlock / 2) * Dv);
+      pack_key_block(ks, h, b, C, Dk, packed_keys + h * key_words + b * (Dk / 2) * kKeyBlock);
+      pack_value_block(vs, h, b, C, Dv, packed_values + h * value_words + b * (kKeyBlock / 2) * Dv);
     }
   });
   const Problem pb{reinterpret_cast<const uint16_t*>(q.data_ptr()), q.stride(0), q.stride(1), T, prefix, Hq, Hkv, Dk, Dv,
-                   static_cast<float>(scale), packed_keys.data(), packed_values.data(), key_blocks,
+                   static_cast<float>(scale), packed_keys, packed_values, key_blocks,
                    reinterpret_cast<uint16_t*>(out.data_ptr())};
   std::atomic<int64_t> next{0};
   if (path == 2) {
