@@ -14,8 +14,9 @@
 # waves, and the half whose first wave reaches the worker first keeps being prefilled first (60-120 ms at
 # c16, either way round). So each half's TTFT is taken minus the worker's own TTFT of the same requests
 # (its log), which leaves that path's transport alone; the router's share is the difference of the two
-# paths, what a client pays for the router beyond what it pays calling the worker itself. Which half goes
-# 20 ms ahead alternates by round.
+# paths, what a client pays for the router beyond what it pays calling the worker itself, by means and by
+# medians (each half's client p50 minus the worker's own p50 of its requests). Which half goes 20 ms ahead
+# alternates by round.
 #
 #   benchmarks/router_overhead.sh MODEL [CONCURRENCY ...]   (default 16 64)
 # ROUTER_FLAGS: extra router flags (e.g. "--detokenize service"). WORKER_FLAGS: extra worker flags.
@@ -62,28 +63,35 @@ print(f'c$c: {d[1]:.0f} requests; router adds TTFT {1e3 * (d[0] - d[3]) / d[1]:+
     prev="$rt $rn $re $wt $wn $we"
     grep -E "Output token throughput|Median TTFT" "$out/bench_c$c.txt" | sed "s/^/c$c: /"
 done
-# split_report ROUND C ORDER MARK: the two halves' reports, and each half's TTFT as its client saw it minus the
-# worker's own TTFT for the same requests (the worker's "generate finished" lines after line MARK of its log:
-# the router's requests are rt-*, the direct client's bench-*). That difference is each path's transport
+# split_report ROUND C ORDER START: the two halves' reports, and each half's TTFT as its client saw it minus the
+# worker's own TTFT for the same requests (the worker's "generate finished" lines stamped after START, the
+# round's start time: the router's requests are rt-*, the direct client's bench-*). That difference is each path's transport
 # (intake, sends, relays); the router's cost is the router path's minus the direct one's, which the order of
 # the waves does not move (both halves subtract their own engine wait).
 split_report() {
     "$py" - "$out" "$@" <<'PY'
-import json, re, statistics, sys
-out, rnd, c, order, mark = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], int(sys.argv[5])
+import datetime, json, re, statistics, sys
+out, rnd, c, order, start = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], float(sys.argv[5])
 def report(target):
     run = json.loads(open(f"{out}/split_{target}_c{c}_r{rnd}.jsonl").read())
     return run["output_throughput"], run["median_ttft_ms"], run["mean_ttft_ms"]
 own = {"rt-": [], "bench-": []}
-for line in open(f"{out}/worker.log").readlines()[mark:]:
-    if "generate finished" in line and (m := re.search(r" request_id=(rt-|bench-)\S* .*ttft_s=([\d.]+)", line)):
+for line in open(f"{out}/worker.log"):
+    if "generate finished" not in line:
+        continue
+    stamp = datetime.datetime.fromisoformat(line.split(" ", 1)[0].replace("Z", "+00:00")).timestamp()
+    if stamp >= start and (m := re.search(r" request_id=(rt-|bench-)\S* .*ttft_s=([\d.]+)", line)):
         own[m.group(1)].append(1e3 * float(m.group(2)))
+# Every request of the round and none of another's, or the figures below are void.
+assert len(own["rt-"]) == len(own["bench-"]) == 64, {k: len(v) for k, v in own.items()}
 (rtok, rmed, rmean), (wtok, wmed, wmean) = report("router"), report("worker")
 r_path, d_path = rmean - statistics.mean(own["rt-"]), wmean - statistics.mean(own["bench-"])
+# The same by medians (the budget is on TTFT p50): each half's client p50 minus the worker's own p50 for it.
+r_p50, d_p50 = rmed - statistics.median(own["rt-"]), wmed - statistics.median(own["bench-"])
 print(f"split c{c} round {rnd} ({c // 2} + {c // 2} streams, {order} first): router / direct output tok/s "
       f"{rtok:.1f} / {wtok:.1f} ({rtok / wtok:.3f}x); TTFT p50 {rmed:.1f} / {wmed:.1f} ms, mean {rmean:.1f} / "
-      f"{wmean:.1f}; client minus worker mean TTFT: router path {r_path:.1f} ms, direct {d_path:.1f} ms: "
-      f"the router adds {r_path - d_path:+.1f} ms")
+      f"{wmean:.1f}; client minus worker TTFT, router path / direct: mean {r_path:.1f} / {d_path:.1f} ms, "
+      f"p50 {r_p50:.1f} / {d_p50:.1f} ms: the router adds {r_path - d_path:+.1f} ms (mean), {r_p50 - d_p50:+.1f} ms (p50)")
 PY
 }
 for round in $(seq "${SPLIT_ROUNDS:-2}"); do
@@ -93,7 +101,6 @@ for round in $(seq "${SPLIT_ROUNDS:-2}"); do
         order="router worker"; [ $((round % 2)) = 0 ] && order="worker router"
         start=$("$py" -c "import time; print(time.time() + 8)")  # both clients connected and warmed up by then
         lead=0.02
-        mark=$(wc -l < "$out/worker.log")
         for target in $order; do
             addr=127.0.0.1:$r; [ "$target" = worker ] && addr=127.0.0.1:$w
             "$py" -m llmserve.cli bench-serving --backend "$target" --address "$addr" "${workload[@]}" \
@@ -103,7 +110,7 @@ for round in $(seq "${SPLIT_ROUNDS:-2}"); do
             lead=0
         done
         wait "${clients[@]}"
-        split_report "$round" "$c" "${order%% *}" "$mark"
+        split_report "$round" "$c" "${order%% *}" "$start"
     done
 done
 echo "logs in $out"
