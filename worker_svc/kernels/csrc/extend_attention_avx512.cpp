@@ -156,6 +156,18 @@ struct Problem {
   uint16_t* out;  // [T, Hq, Dv]
 };
 
+// The task's output rows: o [rows][Dv] / sum, rounded to bf16, to out[t0 + r][hq].
+LLMSERVE_AVX512 void store_rows(const Problem& pb, int64_t hq, int64_t t0, int64_t rows, const float* o,
+                                const float* sum) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const __m512 inv = _mm512_set1_ps(1.f / sum[r]);
+    uint16_t* dst = pb.out + ((t0 + r) * pb.Hq + hq) * pb.Dv;
+    for (int64_t d = 0; d < pb.Dv; d += kLanes)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d),
+                          llmserve::to_bf16(_mm512_mul_ps(_mm512_loadu_ps(o + r * pb.Dv + d), inv)));
+  }
+}
+
 // Per thread: a task's running state.
 struct TaskState {
   std::vector<float> o;      // [kQueryBlock][Dv] fp32 output accumulators
@@ -258,13 +270,7 @@ LLMSERVE_AVX512_BF16 void run_task(const Problem& pb, int64_t hq, int64_t t0, in
       if (d < pb.Dv) accumulate_values<2>(o + d, pb.Dv, corr, st.probs, vb + d, key_pairs);  // Dv % 64 == 32
     }
   }
-  for (int64_t r = 0; r < rows; ++r) {
-    const __m512 inv = _mm512_set1_ps(1.f / st.sum[r]);
-    uint16_t* dst = pb.out + ((t0 + r) * pb.Hq + hq) * pb.Dv;
-    for (int64_t d = 0; d < pb.Dv; d += kLanes)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d),
-                          llmserve::to_bf16(_mm512_mul_ps(_mm512_loadu_ps(st.o.data() + r * pb.Dv + d), inv)));
-  }
+  store_rows(pb, hq, t0, rows, st.o.data(), st.sum.data());
 }
 
 // ---- AMX ------------------------------------------------------------------------------------------------
@@ -387,13 +393,7 @@ LLMSERVE_AMX void run_task_amx(const Problem& pb, int64_t hq, int64_t t0, int64_
       }
     }
   }
-  for (int64_t r = 0; r < rows; ++r) {
-    const __m512 inv = _mm512_set1_ps(1.f / st.sum[r]);
-    uint16_t* dst = pb.out + ((t0 + r) * pb.Hq + hq) * pb.Dv;
-    for (int64_t d = 0; d < pb.Dv; d += kLanes)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d),
-                          llmserve::to_bf16(_mm512_mul_ps(_mm512_loadu_ps(st.o.data() + r * pb.Dv + d), inv)));
-  }
+  store_rows(pb, hq, t0, rows, st.o.data(), st.sum);
 }
 
 LLMSERVE_AMX void run_tasks_amx(const Problem& pb, std::atomic<int64_t>& next, int64_t query_blocks) {
