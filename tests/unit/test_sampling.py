@@ -1,7 +1,7 @@
 """Sampler and SamplingParams tests.
 
-Statistical tests draw many tokens at once as a batch of identical rows with distinct, fixed-seed
-generators, and bound every token count by 6 binomial standard deviations (a false alarm has
+Statistical tests draw many tokens at once as a batch of identical rows with distinct, fixed noise
+keys, and bound every token count by 6 binomial standard deviations (a false alarm has
 probability ~1e-8 per token even without the fixed seeds, which make the tests deterministic).
 """
 
@@ -18,7 +18,7 @@ from worker_svc.sampling import (
     SamplingBatch,
     SamplingParamError,
     SamplingParams,
-    make_generator,
+    noise_key,
 )
 
 N_DRAWS = 20_000
@@ -43,7 +43,7 @@ def build(
     seeds = seeds if seeds is not None else list(range(B))
     return SamplingBatch.build(
         params,
-        [make_generator(s) for s in seeds],
+        [noise_key(s) for s in seeds],
         output_ids if output_ids is not None else [[] for _ in range(B)],
         prompt_ids if prompt_ids is not None else [[] for _ in range(B)],
         eos,
@@ -177,7 +177,7 @@ def run_steps(
 ) -> list[list[int]]:
     """Decode len(logits_steps) steps; feeds each row's output back for penalties/min tokens."""
     B, V = logits_steps[0].shape
-    gens = [make_generator(s) for s in seeds]
+    gens = [noise_key(s) for s in seeds]
     prompts = prompts if prompts is not None else [[i % V, (7 * i + 3) % V] for i in range(B)]
     outputs: list[list[int]] = [[] for _ in range(B)]
     sampler = Sampler()
@@ -257,7 +257,7 @@ def test_top_p_partial_view_equals_full_sort() -> None:
     steps = random_steps(8, B + 1, V, seed=8, bf16=True)
     runs = []
     for widths in ((16,), (4, 64), ()):
-        gens = [make_generator(s) for s in range(B + 1)]
+        gens = [noise_key(s) for s in range(B + 1)]
         sampler = Sampler(top_p_partial_widths=widths)
         empty: list[list[int]] = [[] for _ in params]
         ids = [
@@ -270,14 +270,22 @@ def test_top_p_partial_view_equals_full_sort() -> None:
     assert torch.equal(runs[0], runs[2]) and torch.equal(runs[1], runs[2])
 
 
-def test_greedy_rows_consume_no_randomness() -> None:
-    V = 50
-    steps = random_steps(6, 1, V, seed=9)
-    g = make_generator(77)
-    for x in steps:
-        Sampler().sample(x, SamplingBatch.build(
-            [SamplingParams(temperature=0.0)], [g], [[]], [[]], frozenset(), V, "cpu"))
-    assert torch.equal(torch.rand(4, generator=g), torch.rand(4, generator=make_generator(77)))
+def test_a_rows_draw_depends_on_its_key_step_and_logits_alone() -> None:
+    # Counter-based noise: a row's token at a step is fixed by (noise key, step, its logits), whatever was
+    # sampled before (a retracted request resumes with the draws it would have had) or sits beside it.
+    V = 300
+    x = random_steps(1, 1, V, seed=9)[0]
+
+    def token(step: int, key: int, others: int = 0) -> int:
+        rows = torch.cat([x, random_steps(1, others, V, seed=others)[0]]) if others else x
+        keys = [key] + [noise_key(50 + i) for i in range(others)]
+        batch = SamplingBatch.build([SamplingParams(temperature=1.0)] * (1 + others), keys,
+                                    [[0] * step] * (1 + others), [[1]] * (1 + others), frozenset(), V, "cpu")
+        return int(Sampler().sample(rows, batch).next_token_ids[0])
+
+    assert token(5, 11) == token(5, 11, others=3) == token(5, 11, others=7)
+    assert len({token(step, 11) for step in range(40)}) > 5  # the step moves the noise
+    assert len({token(5, key) for key in range(40)}) > 5  # so does the key
 
 
 # --- distributions -------------------------------------------------------------------------------
@@ -558,19 +566,18 @@ def test_top_k_at_least_vocab_is_off() -> None:
 
 def test_build_rejects_inconsistent_inputs() -> None:
     none: frozenset[int] = frozenset()
-    with pytest.raises(ValueError):  # a sampled row without a generator
+    with pytest.raises(ValueError):  # a sampled row without a noise key
         SamplingBatch.build([SamplingParams()], [None], [[]], [[]], none, 10, "cpu")
     with pytest.raises(ValueError):  # lengths differ
         SamplingBatch.build(
-            [SamplingParams()] * 2, [make_generator(0)], [[]], [[]], none, 10, "cpu"
+            [SamplingParams()] * 2, [noise_key(0)], [[]], [[]], none, 10, "cpu"
         )
-    # Greedy rows need no generator.
+    # Greedy rows need no noise key.
     SamplingBatch.build([SamplingParams(temperature=0.0)], [None], [[]], [[]], none, 10, "cpu")
 
 
-def test_make_generator_seeding() -> None:
-    a, b = make_generator(5), make_generator(5)
-    assert torch.equal(torch.rand(8, generator=a), torch.rand(8, generator=b))
-    make_generator(-1)  # folded into 64 bits rather than rejected
-    c, d = make_generator(None), make_generator(None)
-    assert not torch.equal(torch.rand(8, generator=c), torch.rand(8, generator=d))
+def test_noise_key_seeding() -> None:
+    assert noise_key(5) == noise_key(5) == 5
+    assert noise_key(-1) == (1 << 64) - 1  # folded into 64 bits rather than rejected
+    assert noise_key(1 << 70 | 3) == 3
+    assert noise_key(None) != noise_key(None)

@@ -13,7 +13,7 @@ from worker_svc.engine.scheduler import Scheduler
 from worker_svc.executor.model_runner import ModelRunner
 from worker_svc.executor.step_runner import StepRunner
 from worker_svc.parallel.context import TPContext
-from worker_svc.sampling import SamplingParams, make_generator
+from worker_svc.sampling import SamplingParams, noise_key
 
 
 @dataclass
@@ -45,7 +45,7 @@ class Engine:
             rid=rid or f"req-{next(self._ids)}",
             prompt_ids=list(prompt_ids),
             params=params,
-            generator=make_generator(params.seed),
+            noise_key=noise_key(params.seed),
         )
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, rid: str | None = None) -> Request:

@@ -6,8 +6,6 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-import torch
-
 from worker_svc.kvcache.radix_cache import RadixNode
 from worker_svc.sampling import SamplingParams
 
@@ -33,7 +31,8 @@ class Request:
     rid: str
     prompt_ids: list[int]
     params: SamplingParams
-    generator: torch.Generator
+    # Addresses the request's sampling noise with its step (sampling/noise.py): no state to carry.
+    noise_key: int
     output_ids: list[int] = field(default_factory=list)
     # KV state: this request's row in the request -> token table and how many tokens are cached.
     req_row: int | None = None

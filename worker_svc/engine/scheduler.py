@@ -29,6 +29,7 @@ from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import cast
 
 import structlog
 import torch
@@ -39,7 +40,14 @@ from worker_svc.executor.step_runner import StepRunner
 from worker_svc.forward_batch import FatalStepError, ForwardMode, StepInput, TableWrites
 from worker_svc.kvcache import KVCache
 from worker_svc.kvcache.radix_cache import RadixCache, RadixNode
-from worker_svc.sampling import SampleOutput, Sampler, SamplingBatch, SamplingParamError, SamplingParams
+from worker_svc.sampling import (
+    GumbelRaceOps,
+    SampleOutput,
+    Sampler,
+    SamplingBatch,
+    SamplingParamError,
+    SamplingParams,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -74,7 +82,9 @@ class Scheduler:
         self.engine_config = engine_config
         self.allocator = kv.allocator
         self.req_table = kv.req_table
-        self.sampler = Sampler()
+        # The fused race runs where this project's CPU kernels loaded (the kernel plan's cpu_ops).
+        cpu_ops = runner.kernels.cpu_ops if runner.device.type == "cpu" else None
+        self.sampler = Sampler(race_ops=cast(GumbelRaceOps | None, cpu_ops))
         model_config = runner.model_config
         self.eos_token_ids = frozenset(model_config.eos_token_ids if eos_token_ids is None else eos_token_ids)
         self.vocab_size = model_config.vocab_size
@@ -444,7 +454,7 @@ class Scheduler:
     def _sampling_batch(self, reqs: list[Request]) -> SamplingBatch:
         return SamplingBatch.build(
             params=[r.params for r in reqs],
-            generators=[r.generator for r in reqs],
+            noise_keys=[r.noise_key for r in reqs],
             output_ids=[r.output_ids for r in reqs],
             prompt_ids=[r.prompt_ids for r in reqs],
             eos_token_ids=self.eos_token_ids,

@@ -1,18 +1,20 @@
 """Per-request sampling parameters and the batched sampler used once per engine step."""
 
+from worker_svc.sampling.noise import GumbelRaceOps, noise_key
 from worker_svc.sampling.params import (
     GREEDY_TEMPERATURE_EPS,
     SamplingParamError,
     SamplingParams,
 )
-from worker_svc.sampling.sampler import SampleOutput, Sampler, SamplingBatch, make_generator
+from worker_svc.sampling.sampler import SampleOutput, Sampler, SamplingBatch
 
 __all__ = [
     "GREEDY_TEMPERATURE_EPS",
+    "GumbelRaceOps",
     "SampleOutput",
     "Sampler",
     "SamplingBatch",
     "SamplingParamError",
     "SamplingParams",
-    "make_generator",
+    "noise_key",
 ]

@@ -2,7 +2,7 @@
 
 Used once per engine step on the final-position logits of every running request::
 
-    batch = SamplingBatch.build(params, generators, output_ids, prompt_ids, eos_ids, V, device)
+    batch = SamplingBatch.build(params, noise_keys, output_ids, prompt_ids, eos_ids, V, device)
     out = sampler.sample(logits, batch)  # logits: [B, V]
 
 Pipeline, per row (every stage is one batched tensor op; stages nobody uses are skipped):
@@ -15,7 +15,7 @@ Pipeline, per row (every stage is one batched tensor op; stages nobody uses are 
    the sampler, decides when a request finishes;
 3. greedy rows (``temperature == 0`` or ``top_k == 1``, see ``SamplingParams.is_greedy``) take the
    argmax here, before any scaling, so ``top_k == 1`` gives exactly the greedy tokens;
-4. temperature: ``logits / T`` (greedy rows use ``T = 1``). The result is ``processed_logits``;
+4. temperature: ``logits * (1 / T)`` (greedy rows use ``T = 1``). The result is ``processed_logits``;
 5. truncation of sampled rows, all as logit thresholds (a token is kept iff its logit is ``>=`` the
    row's threshold, so tokens tied with the last kept one are always kept too; this makes the result
    independent of the order ties come out of a sort, hence of what else is in the batch):
@@ -24,17 +24,20 @@ Pipeline, per row (every stage is one batched tensor op; stages nobody uses are 
      descending; the nucleus is the shortest prefix whose cumulative probability is ``>= top_p``
      (plus ties with its last member);
    * min-p: keep tokens with ``p >= min_p * p_max`` (a ratio, so unchanged by renormalization);
-6. sample by an exponential race: per sampled row ``u = torch.rand(V, generator=g)`` from the
-   request's own generator, ``q = -log(u)``, token = ``argmax(probs / q)``. Every sampled row draws
-   exactly ``V`` uniforms per step whatever its truncation or the rest of the batch, so a seeded
-   request reproduces its tokens regardless of batch composition.
+6. sample by a Gumbel race (noise.py): token = ``argmax(processed_logits + g)`` over the kept tokens, ``g``
+   Gumbel noise from a counter-based generator addressed by (the request's noise key, its step, token id).
+   A token's noise depends on nothing else, so a seeded request reproduces its tokens regardless of batch
+   composition, truncation route or retraction.
 
 Log-probabilities are defined as ``log_softmax(processed_logits)``: after penalties, min-token
 masking and temperature (``T = 1`` for greedy rows), before top-k/top-p/min-p truncation.
 
-Performance notes (CPU decode is the hot loop): a row with top-k races only inside its top-k view
-(``torch.topk``, k + 1 wide) instead of over the vocabulary, unless a tie straddles its k-th logit;
-which route a row takes depends on its own logits only, so reproducibility holds. A full sort of the
+Performance notes (CPU decode is the hot loop): with this project's CPU kernels (``race_ops``), a full race
+is one fused pass (kernels/csrc/sampling_race.cpp: noise, temperature, threshold and argmax, straight from
+the model's bf16 logits when nothing else processes them); elsewhere noise.py's tensor ops. A row with top-k
+races only inside its top-k view (``torch.topk``, k + 1 wide) instead of over the vocabulary, unless a tie
+straddles its k-th logit; which route a row takes depends on its own logits only, so reproducibility holds
+(the two routes' noise agrees to the last place of a float32 log). A full sort of the
 vocabulary happens only for a top-p row without top-k whose nucleus is wider than the widest of
 ``Sampler.top_p_partial_widths``. ``torch.argmax`` over wide CPU rows is slow (not vectorized), so
 wide argmaxes go through a max-per-chunk reduction that returns the same first-occurrence index.
@@ -47,26 +50,13 @@ from dataclasses import dataclass
 
 import torch
 
+from worker_svc.sampling import noise
+from worker_svc.sampling.noise import GumbelRaceOps, as_int64
 from worker_svc.sampling.params import SamplingParams
 
-# Keeps q = -log(u) finite when torch.rand returns exactly 0 (probability 2^-24 per element).
-_U_MIN = torch.finfo(torch.float32).tiny
 # Chunked argmax: chunk width, and the smallest CPU tensor for which it beats torch.argmax.
 _ARGMAX_CHUNK = 512
 _ARGMAX_CHUNKED_MIN_NUMEL = 1 << 16
-
-
-def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
-    """A per-request generator; a non-deterministic seed when ``seed`` is None.
-
-    Negative or over-wide seeds are folded into 64 bits (``manual_seed`` accepts only that range).
-    """
-    g = torch.Generator(device=device)
-    if seed is None:
-        g.seed()
-    else:
-        g.manual_seed(seed & 0xFFFF_FFFF_FFFF_FFFF)
-    return g
 
 
 def _argmax(x: torch.Tensor) -> torch.Tensor:
@@ -160,12 +150,16 @@ class SamplingBatch:
     device: torch.device
     # All greedy, no logprobs, penalties or min-token masks: sample() is one argmax.
     fast_greedy: bool
+    # All sampled, nothing but temperature: sample() is one race over the raw logits.
+    plain_sampled: bool
     num_sampled: int
     # Row indices, set only when the batch mixes greedy and sampled rows.
     greedy_idx: torch.Tensor | None  # [B - S] long
     sample_idx: torch.Tensor | None  # [S] long
-    generators: list[torch.Generator]  # [S], the sampled rows' generators in row order
-    temperatures: torch.Tensor | None  # [B, 1] float32, 1.0 on greedy rows; None when all are 1
+    # The sampled rows' noise keys and steps (tokens sampled so far), [S] int64, in row order; on the CPU.
+    noise_keys: torch.Tensor
+    noise_steps: torch.Tensor
+    inv_temperatures: torch.Tensor | None  # [B, 1] float32 1 / T, 1.0 on greedy rows; None when all are 1
     truncation: Truncation  # over the S sampled rows
     # Penalties, over all rows.
     repetition_penalty: torch.Tensor | None  # [B, 1] float32
@@ -184,22 +178,23 @@ class SamplingBatch:
     def build(
         cls,
         params: Sequence[SamplingParams],
-        generators: Sequence[torch.Generator | None],
+        noise_keys: Sequence[int | None],
         output_ids: Sequence[Sequence[int] | torch.Tensor],
         prompt_ids: Sequence[Sequence[int] | torch.Tensor],
         eos_token_ids: frozenset[int] | set[int],
         vocab_size: int,
         device: torch.device | str,
     ) -> SamplingBatch:
-        """Precompute the step's tensors. ``generators[i]`` may be None only for greedy rows.
+        """Precompute the step's tensors. ``noise_keys[i]`` (noise.noise_key) may be None only for greedy
+        rows; a row's step is ``len(output_ids[i])``.
 
         Prompt/output token lists are read only for rows with penalties or a pending
         ``min_new_tokens``; token ids must lie in ``[0, vocab_size)``. Parameters are expected to
         be validated (``SamplingParams.validate``).
         """
         B = len(params)
-        if not (len(generators) == len(output_ids) == len(prompt_ids) == B):
-            raise ValueError("params, generators, output_ids and prompt_ids must have equal length")
+        if not (len(noise_keys) == len(output_ids) == len(prompt_ids) == B):
+            raise ValueError("params, noise_keys, output_ids and prompt_ids must have equal length")
         if B == 0:
             raise ValueError("empty sampling batch")
         device = torch.device(device)
@@ -264,7 +259,7 @@ class SamplingBatch:
 
         # --- temperature and row routing --------------------------------------------------------
         temps = [1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)]
-        temperatures = f32(temps, B) if any(t != 1.0 for t in temps) else None
+        inv_temperatures = f32([1.0 / t for t in temps], B) if any(t != 1.0 for t in temps) else None
         greedy_idx = sample_idx = None
         if 0 < S < B:
             greedy_idx = torch.tensor(
@@ -272,12 +267,12 @@ class SamplingBatch:
             )
             sample_idx = torch.tensor(sampled_rows, dtype=torch.long, device=device)
 
-        sampled_gens: list[torch.Generator] = []
+        sampled_keys: list[int] = []
         for i in sampled_rows:
-            g = generators[i]
-            if g is None:
-                raise ValueError(f"row {i} samples (temperature > 0) but has no generator")
-            sampled_gens.append(g)
+            key = noise_keys[i]
+            if key is None:
+                raise ValueError(f"row {i} samples (temperature > 0) but has no noise key")
+            sampled_keys.append(key)
 
         # --- truncation (sampled rows only) -----------------------------------------------------
         sp = [params[i] for i in sampled_rows]
@@ -310,23 +305,22 @@ class SamplingBatch:
             log_min_p=log_min_p,
         )
 
-        fast_greedy = (
-            S == 0
-            and not need_logprobs
-            and repetition_penalty is None
-            and output_counts is None
-            and min_tokens_rows is None
+        unprocessed = (
+            not need_logprobs and repetition_penalty is None and output_counts is None and min_tokens_rows is None
         )
+        untruncated = truncation.top_k_max == 0 and truncation.top_p is None and truncation.log_min_p is None
         return cls(
             batch_size=B,
             vocab_size=V,
             device=device,
-            fast_greedy=fast_greedy,
+            fast_greedy=S == 0 and unprocessed,
+            plain_sampled=S == B and unprocessed and untruncated,
             num_sampled=S,
             greedy_idx=greedy_idx,
             sample_idx=sample_idx,
-            generators=sampled_gens,
-            temperatures=temperatures,
+            noise_keys=torch.tensor(as_int64(sampled_keys), dtype=torch.long),
+            noise_steps=torch.tensor([len(output_ids[i]) for i in sampled_rows], dtype=torch.long),
+            inv_temperatures=inv_temperatures,
             truncation=truncation,
             repetition_penalty=repetition_penalty,
             seen_mask=seen_mask,
@@ -341,8 +335,8 @@ class SamplingBatch:
 
 
 class Sampler:
-    """Stateless between steps; all per-request state lives in :class:`SamplingBatch` and the
-    generators.
+    """Stateless between steps; all per-request state lives in :class:`SamplingBatch` (the noise keys
+    and steps among it).
 
     ``top_p_partial_widths``: a top-p row without top-k looks for its nucleus among the highest
     ``w`` logits (``torch.topk``) for each width in turn, and sorts the whole vocabulary only when
@@ -351,10 +345,13 @@ class Sampler:
     sorted prefix, hence its cumulative sum, is the same).
     """
 
-    def __init__(self, top_p_partial_widths: Sequence[int] = (128, 1024)) -> None:
+    def __init__(
+        self, top_p_partial_widths: Sequence[int] = (128, 1024), race_ops: GumbelRaceOps | None = None
+    ) -> None:
         if any(w < 1 for w in top_p_partial_widths):
             raise ValueError("top_p_partial_widths must be >= 1")
         self.top_p_partial_widths = tuple(sorted(top_p_partial_widths))
+        self.race_ops = race_ops  # the fused CPU race (kernels/csrc/sampling_race.cpp); None: noise.py's ops
 
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SampleOutput:
         """Pick one token per row of ``logits`` ([B, V'] of any float dtype, V' >= V).
@@ -370,6 +367,14 @@ class Sampler:
         if batch.fast_greedy:
             # float32 conversion is exact and order-preserving, so argmax in the input dtype agrees.
             return SampleOutput(_argmax(logits), None, None, None)
+        if batch.plain_sampled and self._fused(logits):
+            assert self.race_ops is not None
+            # One pass over the model's logits: widened, scaled by 1 / T as below, raced.
+            inv_t = batch.inv_temperatures
+            inv_t = torch.ones(B) if inv_t is None else inv_t.view(B)
+            ids = self.race_ops.gumbel_race(logits, inv_t, torch.full((B,), float("-inf")), batch.noise_keys,
+                                            batch.noise_steps, V)
+            return SampleOutput(ids, None, None, None)
 
         x = logits.float()  # [B, V]
         x = self._apply_penalties(x, batch)
@@ -390,8 +395,8 @@ class Sampler:
         elif S < B:
             greedy_ids = _argmax(x[batch.greedy_idx])  # [B - S]
 
-        if batch.temperatures is not None:
-            x = x.div_(batch.temperatures) if x_owned else x / batch.temperatures
+        if batch.inv_temperatures is not None:
+            x = x.mul_(batch.inv_temperatures) if x_owned else x * batch.inv_temperatures
         processed = x  # [B, V]
 
         if S == 0:
@@ -430,18 +435,16 @@ class Sampler:
             x = x - batch.frequency_penalty * counts - batch.presence_penalty * (counts > 0)
         return x
 
+    def _fused(self, x: torch.Tensor) -> bool:
+        return self.race_ops is not None and x.device.type == "cpu" and x.dim() == 2 and x.stride(1) == 1
+
     def _sample_rows(self, xs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """Truncate and sample the sampled rows ``xs`` ([S, V] processed logits) -> [S] ids."""
         S, V = xs.shape
-        # The mandated draw: V uniforms per sampled row per step, from the row's own generator.
-        u = torch.empty(S, V, dtype=torch.float32, device=batch.generators[0].device)  # [S, V]
-        for row, g in enumerate(batch.generators):
-            torch.rand(V, generator=g, out=u[row])
-        u = u.to(xs.device)
-
+        keys, steps = batch.noise_keys, batch.noise_steps
         tr = batch.truncation
         if tr.top_k_max == 0:
-            return self._race_full(xs, u, tr)
+            return self._race_full(xs, keys, steps, tr)
         # Top-k view one wider than the largest k, so that position k (a possible tie) is visible.
         K = min(V, tr.top_k_max + 1)
         vals, idx = torch.topk(xs, K, dim=-1, sorted=True)  # [S, K]
@@ -454,23 +457,24 @@ class Sampler:
             in_view &= ~tr.top_k_off
         n_in = int(in_view.sum())
         if n_in == S:
-            return self._race_in_view(vals, idx, u, tr)
+            return self._race_in_view(vals, idx, keys, steps, tr)
         if n_in == 0:
-            return self._race_full(xs, u, tr)
+            return self._race_full(xs, keys, steps, tr)
         rows_in = in_view.view(S).nonzero().view(-1)
         rows_out = (~in_view).view(S).nonzero().view(-1)
+        rin, rout = rows_in.cpu(), rows_out.cpu()
         out = torch.empty(S, dtype=torch.long, device=xs.device)
-        out[rows_in] = self._race_in_view(vals[rows_in], idx[rows_in], u[rows_in], tr.take(rows_in))
-        out[rows_out] = self._race_full(xs[rows_out], u[rows_out], tr.take(rows_out))
+        out[rows_in] = self._race_in_view(vals[rows_in], idx[rows_in], keys[rin], steps[rin], tr.take(rows_in))
+        out[rows_out] = self._race_full(xs[rows_out], keys[rout], steps[rout], tr.take(rows_out))
         return out
 
     @staticmethod
     def _race_in_view(
-        vals: torch.Tensor, idx: torch.Tensor, u: torch.Tensor, tr: Truncation
+        vals: torch.Tensor, idx: torch.Tensor, keys: torch.Tensor, steps: torch.Tensor, tr: Truncation
     ) -> torch.Tensor:
         """Rows whose top-k set is exactly their first k view positions: race inside the view.
 
-        vals/idx: [R, K] descending logits and their token ids; u: [R, V] uniforms.
+        vals/idx: [R, K] descending logits and their token ids; keys, steps: [R] (noise.py).
         """
         R, K = vals.shape
         assert tr.top_k_idx is not None
@@ -489,25 +493,28 @@ class Sampler:
         if tr.log_min_p is not None:
             mp = m + tr.log_min_p  # p >= min_p * p_max  <=>  logit >= max_logit + log(min_p)
             thresh = mp if thresh is None else torch.maximum(thresh, mp)
-        if thresh is not None:
-            e = e * (vals >= thresh)
-        q = u.gather(1, idx).clamp_min_(_U_MIN).log_().neg_()  # [R, K] Exp(1) of the view's tokens
-        return idx.gather(1, (e / q).argmax(dim=-1, keepdim=True)).view(R)
+        kept = in_k if thresh is None else in_k & (vals >= thresh)
+        g = noise.gumbel(noise.uniforms_at(keys.to(vals.device), steps.to(vals.device), idx))  # [R, K]
+        scores = (vals + g).masked_fill_(~kept, float("-inf"))
+        return idx.gather(1, scores.argmax(dim=-1, keepdim=True)).view(R)
 
-    def _race_full(self, xs: torch.Tensor, u: torch.Tensor, tr: Truncation) -> torch.Tensor:
-        """Truncate and race over the whole vocabulary. xs, u: [R, V]."""
-        m = xs.amax(dim=-1, keepdim=True)  # [R, 1]; the max is never truncated
-        e = (xs - m).exp_()  # [R, V] unnormalized probabilities (in place: fewer big temporaries)
+    def _race_full(self, xs: torch.Tensor, keys: torch.Tensor, steps: torch.Tensor, tr: Truncation) -> torch.Tensor:
+        """Truncate and race over the whole vocabulary. xs: [R, V]; keys, steps: [R] (noise.py)."""
+        R, V = xs.shape
         thresh: torch.Tensor | None = None  # [R, 1] keep iff logit >= thresh
-        if tr.needs_sorted:
-            thresh = self._top_k_top_p_threshold(xs, e, m, tr)
-        if tr.log_min_p is not None:
-            mp = m + tr.log_min_p  # p >= min_p * p_max  <=>  logit >= max_logit + log(min_p)
-            thresh = mp if thresh is None else torch.maximum(thresh, mp)
-        if thresh is not None:
-            e.mul_(xs >= thresh)  # a multiply is cheaper than masked_fill on CPU
-        q = u.clamp_min_(_U_MIN).log_().neg_()  # [R, V] Exp(1); u is this step's own buffer
-        return _argmax(e.div_(q))
+        if tr.needs_sorted or tr.log_min_p is not None:
+            m = xs.amax(dim=-1, keepdim=True)  # [R, 1]; the max is never truncated
+            if tr.needs_sorted:
+                e = (xs - m).exp_()  # [R, V] unnormalized probabilities (in place: fewer big temporaries)
+                thresh = self._top_k_top_p_threshold(xs, e, m, tr)
+            if tr.log_min_p is not None:
+                mp = m + tr.log_min_p  # p >= min_p * p_max  <=>  logit >= max_logit + log(min_p)
+                thresh = mp if thresh is None else torch.maximum(thresh, mp)
+        if self._fused(xs):
+            assert self.race_ops is not None
+            floor = torch.full((R,), float("-inf")) if thresh is None else thresh.view(R)
+            return self.race_ops.gumbel_race(xs, torch.ones(R), floor, keys, steps, V)
+        return noise.gumbel_race(xs, thresh, keys, steps)
 
     def _top_k_top_p_threshold(
         self, xs: torch.Tensor, e: torch.Tensor, m: torch.Tensor, tr: Truncation
