@@ -53,7 +53,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     ops = cpu_ext.load()
-    fused, plain = Sampler(race_ops=ops), Sampler()  # type: ignore[arg-type]
+    fused, plain = Sampler(fused_ops=ops), Sampler()  # type: ignore[arg-type]
     print(f"vocab {args.vocab}, {args.threads} threads, fused race {'on' if ops is not None else 'unavailable'}")
     for B in args.batches:
         logits = torch.randn(B, args.vocab, generator=torch.Generator().manual_seed(B)).mul_(3).to(torch.bfloat16)

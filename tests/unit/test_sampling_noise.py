@@ -156,7 +156,7 @@ def test_sampler_with_the_fused_race_equals_the_tensor_ops(rows: list[SamplingPa
     keys = [noise_key(100 + i) for i in range(B)]
     for x in steps:
         batch = SamplingBatch.build(rows, keys, outputs, [[1, 2]] * B, frozenset(), V, "cpu")
-        fused = Sampler(race_ops=ops).sample(x.to(torch.bfloat16), batch).next_token_ids
+        fused = Sampler(fused_ops=ops).sample(x.to(torch.bfloat16), batch).next_token_ids
         plain = Sampler().sample(x.to(torch.bfloat16), batch).next_token_ids
         assert torch.equal(fused, plain)
         for row, token in enumerate(fused.tolist()):
@@ -172,7 +172,7 @@ def test_fused_race_frequencies(temperature: float) -> None:
     batch = SamplingBatch.build([SamplingParams(temperature=temperature)] * n, keys, [[]] * n, [[]] * n, frozenset(), V,
                                 "cpu")
     assert batch.plain_sampled
-    ids = Sampler(race_ops=ops).sample(SMALL_LOGITS.expand(n, V), batch).next_token_ids
+    ids = Sampler(fused_ops=ops).sample(SMALL_LOGITS.expand(n, V), batch).next_token_ids
     expected = torch.softmax(SMALL_LOGITS.double() / temperature, dim=0)
     assert_frequencies(torch.bincount(ids, minlength=V), expected)
 
@@ -183,7 +183,7 @@ def test_scheduler_samples_with_the_fused_race_where_the_kernels_load(tiny_model
 
     engine = Engine(EngineConfig(model_path=str(tiny_model), dtype="float32", max_total_tokens=256,
                                  context_length=128))
-    assert (engine.scheduler.sampler.race_ops is not None) == (cpu_ext.load() is not None)
+    assert (engine.scheduler.sampler.fused_ops is not None) == (cpu_ext.load() is not None)
     a = engine.generate([[1, 2, 3]], SamplingParams(temperature=1.0, seed=42, max_new_tokens=8))
     b = engine.generate([[1, 2, 3]], SamplingParams(temperature=1.0, seed=42, max_new_tokens=8))
     assert a[0].output_ids == b[0].output_ids and len(a[0].output_ids) == 8

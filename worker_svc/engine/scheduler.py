@@ -41,7 +41,7 @@ from worker_svc.forward_batch import FatalStepError, ForwardMode, StepInput, Tab
 from worker_svc.kvcache import KVCache
 from worker_svc.kvcache.radix_cache import RadixCache, RadixNode
 from worker_svc.sampling import (
-    GumbelRaceOps,
+    FusedSamplingOps,
     SampleOutput,
     Sampler,
     SamplingBatch,
@@ -82,9 +82,9 @@ class Scheduler:
         self.engine_config = engine_config
         self.allocator = kv.allocator
         self.req_table = kv.req_table
-        # The fused race runs where this project's CPU kernels loaded (the kernel plan's cpu_ops).
+        # The fused sampling kernels run where this project's CPU kernels loaded (the kernel plan's cpu_ops).
         cpu_ops = runner.kernels.cpu_ops if runner.device.type == "cpu" else None
-        self.sampler = Sampler(race_ops=cast(GumbelRaceOps | None, cpu_ops))
+        self.sampler = Sampler(fused_ops=cast(FusedSamplingOps | None, cpu_ops))
         model_config = runner.model_config
         self.eos_token_ids = frozenset(model_config.eos_token_ids if eos_token_ids is None else eos_token_ids)
         self.vocab_size = model_config.vocab_size

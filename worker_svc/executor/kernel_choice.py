@@ -78,8 +78,8 @@ class KernelPlan:
             "bf16_linear": self.bf16_linear,
             "rms_norm": "avx2" if self.cpu_ops is not None else "torch",
             "silu_and_mul": "avx2" if self.cpu_ops is not None else "torch",  # bf16 / fp16; fp32 keeps torch's
-            # The sampler's race (engine/scheduler.py passes cpu_ops to it): fused in C++, or noise.py's tensor ops.
-            "sampling": "fused_race" if self.cpu_ops is not None else "tensor_ops",
+            # The sampler (engine/scheduler.py passes cpu_ops to it): truncation and race in C++, or tensor ops.
+            "sampling": "fused" if self.cpu_ops is not None else "tensor_ops",
             "rotary": "avx2" if self.cpu_ops is not None else "torch",
             "attention": "torch_native_mla" if self.mla else "torch_native",
             "attention_decode": self.attention_decode,

@@ -5,7 +5,8 @@
 - rotary_avx2.cpp: rotate-half rotary for q and k (layers/rotary.py);
 - bf16_linear_avx512.cpp, bf16_linear_amx.cpp: bf16 linears on packed weights (kernels/bf16_linear.py);
 - rms_norm_avx2.cpp: RMSNorm and residual-add + RMSNorm for bf16/fp16 (layers/norm.py);
-- sampling_race.cpp: the sampler's Gumbel race with its Philox noise, fused (sampling/sampler.py).
+- sampling_race.cpp: the sampler's Gumbel race with its Philox noise, fused (sampling/sampler.py);
+- sampling_truncation.cpp: top-k / top-p / min-p as one logit threshold per row (sampling/sampler.py).
 
 The library is compiled by ``torch.utils.cpp_extension`` into torch's extension cache
 (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``) the first time a process asks for

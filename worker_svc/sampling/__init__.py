@@ -1,16 +1,16 @@
 """Per-request sampling parameters and the batched sampler used once per engine step."""
 
-from worker_svc.sampling.noise import GumbelRaceOps, noise_key
+from worker_svc.sampling.noise import noise_key
 from worker_svc.sampling.params import (
     GREEDY_TEMPERATURE_EPS,
     SamplingParamError,
     SamplingParams,
 )
-from worker_svc.sampling.sampler import SampleOutput, Sampler, SamplingBatch
+from worker_svc.sampling.sampler import FusedSamplingOps, SampleOutput, Sampler, SamplingBatch
 
 __all__ = [
     "GREEDY_TEMPERATURE_EPS",
-    "GumbelRaceOps",
+    "FusedSamplingOps",
     "SampleOutput",
     "Sampler",
     "SamplingBatch",

@@ -19,7 +19,6 @@ for every device: plain tensor ops, uint32 arithmetic in int64.
 from __future__ import annotations
 
 import secrets
-from typing import Protocol
 
 import torch
 
@@ -30,17 +29,6 @@ _ROUNDS = 10
 _BLOCK = 64  # tokens per 16 Philox blocks
 _LANES = 16
 _CPU_STRETCH = 128  # blocks of 64 tokens per pass on the CPU
-
-
-class GumbelRaceOps(Protocol):
-    """The fused CPU race (``torch.ops.llmserve_cpu``, kernels/csrc/sampling_race.cpp)."""
-
-    def gumbel_race(
-        self, x: torch.Tensor, inv_temperature: torch.Tensor, threshold: torch.Tensor, keys: torch.Tensor,
-        steps: torch.Tensor, V: int, isa: int = 0,
-    ) -> torch.Tensor:
-        """[R] int64: per row, the first v < V maximizing ``x_v * inv_temperature + g_v`` among the v with
-        ``x_v * inv_temperature >= threshold``."""
 
 
 def noise_key(seed: int | None) -> int:

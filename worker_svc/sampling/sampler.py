@@ -32,14 +32,16 @@ Pipeline, per row (every stage is one batched tensor op; stages nobody uses are 
 Log-probabilities are defined as ``log_softmax(processed_logits)``: after penalties, min-token
 masking and temperature (``T = 1`` for greedy rows), before top-k/top-p/min-p truncation.
 
-Performance notes (CPU decode is the hot loop): with this project's CPU kernels (``race_ops``), a full race
-is one fused pass (kernels/csrc/sampling_race.cpp: noise, temperature, threshold and argmax, straight from
-the model's bf16 logits when nothing else processes them); elsewhere noise.py's tensor ops. A row with top-k
-races only inside its top-k view (``torch.topk``, k + 1 wide) instead of over the vocabulary, unless a tie
-straddles its k-th logit; which route a row takes depends on its own logits only, so reproducibility holds
-(the two routes' noise agrees to the last place of a float32 log). A full sort of the
-vocabulary happens only for a top-p row without top-k whose nucleus is wider than the widest of
-``Sampler.top_p_partial_widths``. ``torch.argmax`` over wide CPU rows is slow (not vectorized), so
+Performance notes (CPU decode is the hot loop): with this project's CPU kernels (``fused_ops``), truncation
+is one threshold per row (kernels/csrc/sampling_truncation.cpp: the same thresholds, its sums in double where
+the tensor path's cumsum is float, so the two can differ only where a cumulative probability lies within
+float rounding of top_p) and the race one fused pass (kernels/csrc/sampling_race.cpp: noise, temperature,
+threshold and argmax, straight from the model's bf16 logits when nothing else processes them). Elsewhere
+(tensor ops, noise.py): a row with top-k races only inside its top-k view (``torch.topk``, k + 1 wide)
+instead of over the vocabulary, unless a tie straddles its k-th logit; which route a row takes depends on
+its own logits only, so reproducibility holds (the two routes' noise agrees to the last place of a float32
+log). A full sort of the vocabulary happens only for a top-p row without top-k whose nucleus is wider than
+the widest of ``Sampler.top_p_partial_widths``. ``torch.argmax`` over wide CPU rows is slow (not vectorized), so
 wide argmaxes go through a max-per-chunk reduction that returns the same first-occurrence index.
 """
 
@@ -47,12 +49,32 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from worker_svc.sampling import noise
-from worker_svc.sampling.noise import GumbelRaceOps, as_int64
+from worker_svc.sampling.noise import as_int64
 from worker_svc.sampling.params import SamplingParams
+
+
+class FusedSamplingOps(Protocol):
+    """This project's CPU sampling kernels (``torch.ops.llmserve_cpu``: kernels/csrc/sampling_race.cpp and
+    sampling_truncation.cpp)."""
+
+    def gumbel_race(
+        self, x: torch.Tensor, inv_temperature: torch.Tensor, threshold: torch.Tensor, keys: torch.Tensor,
+        steps: torch.Tensor, V: int, isa: int = 0,
+    ) -> torch.Tensor:
+        """[R] int64: per row, the first v < V maximizing ``x_v * inv_temperature + g_v`` (noise.py) among the v
+        with ``x_v * inv_temperature >= threshold``."""
+
+    def truncation_threshold(
+        self, x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, log_min_p: torch.Tensor, V: int
+    ) -> torch.Tensor:
+        """[R] float32: per row of processed logits ``x``, the logit threshold of top-k (0: off), then top-p on
+        the renormalized top-k set (1: off), and min-p (``log(min_p)``, -inf: off); see the module doc."""
+
 
 # Chunked argmax: chunk width, and the smallest CPU tensor for which it beats torch.argmax.
 _ARGMAX_CHUNK = 512
@@ -115,6 +137,17 @@ class Truncation:
     @property
     def needs_sorted(self) -> bool:
         return self.top_k_max > 0 or self.top_p is not None
+
+    def per_row(self, R: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """[R] top_k (int64, 0: off), top_p (float32, 1: off) and log(min_p) (float32, -inf: off), on the CPU."""
+        top_k = torch.zeros(R, dtype=torch.long)
+        if self.top_k_idx is not None:
+            top_k = self.top_k_idx.view(R).cpu() + 1
+            if self.top_k_off is not None:
+                top_k = top_k.masked_fill_(self.top_k_off.view(R).cpu(), 0)
+        top_p = torch.ones(R) if self.top_p is None else self.top_p.view(R).cpu()
+        log_min_p = torch.full((R,), float("-inf")) if self.log_min_p is None else self.log_min_p.view(R).cpu()
+        return top_k, top_p, log_min_p
 
     def take(self, rows: torch.Tensor) -> Truncation:
         """The parameters of a subset of rows ([R'] long indices)."""
@@ -346,12 +379,12 @@ class Sampler:
     """
 
     def __init__(
-        self, top_p_partial_widths: Sequence[int] = (128, 1024), race_ops: GumbelRaceOps | None = None
+        self, top_p_partial_widths: Sequence[int] = (128, 1024), fused_ops: FusedSamplingOps | None = None
     ) -> None:
         if any(w < 1 for w in top_p_partial_widths):
             raise ValueError("top_p_partial_widths must be >= 1")
         self.top_p_partial_widths = tuple(sorted(top_p_partial_widths))
-        self.race_ops = race_ops  # the fused CPU race (kernels/csrc/sampling_race.cpp); None: noise.py's ops
+        self.fused_ops = fused_ops  # this project's CPU kernels; None: tensor ops (noise.py)
 
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SampleOutput:
         """Pick one token per row of ``logits`` ([B, V'] of any float dtype, V' >= V).
@@ -368,11 +401,11 @@ class Sampler:
             # float32 conversion is exact and order-preserving, so argmax in the input dtype agrees.
             return SampleOutput(_argmax(logits), None, None, None)
         if batch.plain_sampled and self._fused(logits):
-            assert self.race_ops is not None
+            assert self.fused_ops is not None
             # One pass over the model's logits: widened, scaled by 1 / T as below, raced.
             inv_t = batch.inv_temperatures
             inv_t = torch.ones(B) if inv_t is None else inv_t.view(B)
-            ids = self.race_ops.gumbel_race(logits, inv_t, torch.full((B,), float("-inf")), batch.noise_keys,
+            ids = self.fused_ops.gumbel_race(logits, inv_t, torch.full((B,), float("-inf")), batch.noise_keys,
                                             batch.noise_steps, V)
             return SampleOutput(ids, None, None, None)
 
@@ -436,13 +469,15 @@ class Sampler:
         return x
 
     def _fused(self, x: torch.Tensor) -> bool:
-        return self.race_ops is not None and x.device.type == "cpu" and x.dim() == 2 and x.stride(1) == 1
+        return self.fused_ops is not None and x.device.type == "cpu" and x.dim() == 2 and x.stride(1) == 1
 
     def _sample_rows(self, xs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """Truncate and sample the sampled rows ``xs`` ([S, V] processed logits) -> [S] ids."""
         S, V = xs.shape
         keys, steps = batch.noise_keys, batch.noise_steps
         tr = batch.truncation
+        if self._fused(xs):
+            return self._race_fused(xs, keys, steps, tr)
         if tr.top_k_max == 0:
             return self._race_full(xs, keys, steps, tr)
         # Top-k view one wider than the largest k, so that position k (a possible tie) is visible.
@@ -510,11 +545,17 @@ class Sampler:
             if tr.log_min_p is not None:
                 mp = m + tr.log_min_p  # p >= min_p * p_max  <=>  logit >= max_logit + log(min_p)
                 thresh = mp if thresh is None else torch.maximum(thresh, mp)
-        if self._fused(xs):
-            assert self.race_ops is not None
-            floor = torch.full((R,), float("-inf")) if thresh is None else thresh.view(R)
-            return self.race_ops.gumbel_race(xs, torch.ones(R), floor, keys, steps, V)
         return noise.gumbel_race(xs, thresh, keys, steps)
+
+    def _race_fused(self, xs: torch.Tensor, keys: torch.Tensor, steps: torch.Tensor, tr: Truncation) -> torch.Tensor:
+        """Truncate and race in this project's CPU kernels: a threshold per row, then one race over the row."""
+        assert self.fused_ops is not None
+        R, V = xs.shape
+        if tr.needs_sorted or tr.log_min_p is not None:
+            floor = self.fused_ops.truncation_threshold(xs, *tr.per_row(R), V)
+        else:
+            floor = torch.full((R,), float("-inf"))
+        return self.fused_ops.gumbel_race(xs, torch.ones(R), floor, keys, steps, V)
 
     def _top_k_top_p_threshold(
         self, xs: torch.Tensor, e: torch.Tensor, m: torch.Tensor, tr: Truncation
