@@ -125,3 +125,17 @@ def test_fused_truncation_samples_the_truncated_distribution(params: SamplingPar
         assert int(kept.sum()) == keep
     expected = torch.where(kept, probs, torch.zeros_like(probs))
     assert_frequencies(torch.bincount(ids, minlength=V), expected / expected.sum())
+
+
+def test_rows_of_nan_or_minus_infinity_do_not_break_the_kernel() -> None:
+    """A model that produced NaN logits is a bug upstream; the threshold must still return, not read past a
+    buffer (it leaves such rows untruncated)."""
+    ops = _ops()
+    x = torch.randn(4, 300)
+    x[0] = float("nan")
+    x[1, ::2] = float("nan")
+    x[2] = NEG_INF
+    got = ops.truncation_threshold(x, torch.tensor([5, 200, 5, 0]), torch.tensor([0.9, 0.9, 0.9, 0.9]),
+                                   torch.full((4,), NEG_INF), 300)
+    assert got.shape == (4,)
+    _check(x[3:], [0], [0.9], [0.0])

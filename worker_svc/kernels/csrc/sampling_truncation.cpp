@@ -129,8 +129,10 @@ float row_threshold(const float* x, int64_t V, int64_t k, float p, float log_min
   float kth = kNegInf;
   int w = 0;
   if (top_k) {
-    while (stats.count[w] < k) ++w;  // the last window holds all V > k columns
+    while (w < kNumWindows - 1 && stats.count[w] < k) ++w;  // the last window holds all V > k columns
     gather_at_least(x, V, m - kWindows[w], candidates);
+    // Fewer only where NaN logits hide columns from every compare: leave such a row untruncated.
+    if (static_cast<int64_t>(candidates.size()) < k) return threshold;
     std::nth_element(candidates.begin(), candidates.begin() + (k - 1), candidates.end(), std::greater<float>());
     kth = candidates[k - 1];
     threshold = std::max(threshold, kth);
@@ -143,6 +145,7 @@ float row_threshold(const float* x, int64_t V, int64_t k, float p, float log_min
     const double target = static_cast<double>(p) * stats.mass[kNumWindows - 1];
     while (w < kNumWindows - 1 && stats.mass[w] < target) ++w;
     gather_at_least(x, V, m - kWindows[w], candidates);
+    if (candidates.empty()) return threshold;  // a NaN max: nothing compares
   }
   std::sort(candidates.begin(), candidates.end(), std::greater<float>());
   double z = 0.0;
