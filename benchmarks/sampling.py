@@ -54,7 +54,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     ops = cpu_ext.load()
     fused, plain = Sampler(fused_ops=ops), Sampler()  # type: ignore[arg-type]
-    print(f"vocab {args.vocab}, {args.threads} threads, fused race {'on' if ops is not None else 'unavailable'}")
+    print(f"vocab {args.vocab}, {args.threads} threads, fused kernels {'on' if ops is not None else 'unavailable'}")
     for B in args.batches:
         logits = torch.randn(B, args.vocab, generator=torch.Generator().manual_seed(B)).mul_(3).to(torch.bfloat16)
         for label, params in CASES.items():

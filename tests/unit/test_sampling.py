@@ -177,12 +177,12 @@ def run_steps(
 ) -> list[list[int]]:
     """Decode len(logits_steps) steps; feeds each row's output back for penalties/min tokens."""
     B, V = logits_steps[0].shape
-    gens = [noise_key(s) for s in seeds]
+    keys = [noise_key(s) for s in seeds]
     prompts = prompts if prompts is not None else [[i % V, (7 * i + 3) % V] for i in range(B)]
     outputs: list[list[int]] = [[] for _ in range(B)]
     sampler = Sampler()
     for logits in logits_steps:
-        batch = SamplingBatch.build(params, gens, outputs, prompts, eos, V, "cpu")
+        batch = SamplingBatch.build(params, keys, outputs, prompts, eos, V, "cpu")
         ids = sampler.sample(logits, batch).next_token_ids.tolist()
         for row, tok in enumerate(ids):
             outputs[row].append(tok)
@@ -257,12 +257,12 @@ def test_top_p_partial_view_equals_full_sort() -> None:
     steps = random_steps(8, B + 1, V, seed=8, bf16=True)
     runs = []
     for widths in ((16,), (4, 64), ()):
-        gens = [noise_key(s) for s in range(B + 1)]
+        keys = [noise_key(s) for s in range(B + 1)]
         sampler = Sampler(top_p_partial_widths=widths)
         empty: list[list[int]] = [[] for _ in params]
         ids = [
             sampler.sample(
-                x, SamplingBatch.build(params, gens, empty, empty, frozenset(), V, "cpu")
+                x, SamplingBatch.build(params, keys, empty, empty, frozenset(), V, "cpu")
             ).next_token_ids
             for x in steps
         ]
