@@ -65,7 +65,7 @@ def test_thresholds_match_a_full_sort(V: int, scale: float) -> None:
     g = torch.Generator().manual_seed(V + int(scale * 10))
     rows = [(0, 1.0, 0.0), (1, 1.0, 0.0), (5, 1.0, 0.0), (V - 1, 1.0, 0.0), (V, 1.0, 0.0), (0, 0.5, 0.0),
             (0, 0.9, 0.0), (0, 0.999, 0.0), (3, 0.9, 0.0), (50, 0.95, 0.0), (0, 1.0, 0.05), (20, 0.8, 0.1),
-            (0, 0.01, 0.0)]
+            (0, 0.01, 0.0), (1000, 0.9, 0.0), (600, 0.999, 0.01)]
     x = torch.randn(len(rows), V, generator=g) * scale
     top_k, top_p, min_p = (list(c) for c in zip(*rows, strict=True))
     _check(x, top_k, top_p, min_p)

@@ -16,7 +16,7 @@
 // tie straddles the k-th value made a 64-row top-p step take ~20 ms against ~2.6 ms for the race itself.
 // Here a row is one vector pass (max, then the count and probability mass at or above a few distances from
 // the max) and a sort of only the columns within the distance that holds the answer: the top k, or enough
-// mass to reach top_p. Sums are in double, against torch's float cumsum: the cut can differ from the tensor
+// mass to reach top_p (and when those are many, of only the bin of them where the cumulative sum crosses). Sums are in double, against torch's float cumsum: the cut can differ from the tensor
 // path's only where the cumulative probability lies within float rounding (~1e-6) of top_p.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -30,6 +30,7 @@
 #include <cstdint>
 #include <functional>
 #include <limits>
+#include <utility>
 #include <vector>
 
 #include "common.h"
@@ -40,6 +41,9 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // Distances below the row's max inside which candidates are gathered, narrowest first; the last takes all.
 constexpr std::array<float, 7> kWindows = {1.f, 2.f, 4.f, 8.f, 16.f, 32.f, std::numeric_limits<float>::infinity()};
 constexpr int kNumWindows = static_cast<int>(kWindows.size());
+// Candidates beyond this many are binned before the sort (nucleus_cut), into this many bins.
+constexpr size_t kSortAtMost = 256;
+constexpr int kBins = 1024;
 
 float row_max(const float* x, int64_t V) {
   __m256 m = _mm256_set1_ps(kNegInf);
@@ -120,7 +124,55 @@ void gather_at_least(const float* x, int64_t V, float floor, std::vector<float>&
     if (x[i] >= floor) out.push_back(x[i]);
 }
 
-float row_threshold(const float* x, int64_t V, int64_t k, float p, float log_min_p, std::vector<float>& candidates) {
+struct Scratch {
+  std::vector<float> candidates, weights;
+  std::vector<double> bin_mass;
+  std::vector<std::pair<float, float>> tail;  // (value, weight) of the bin where the sum crosses
+};
+
+// weights[i] = exp(values[i] - m), 8 at a time.
+void exp_below(const std::vector<float>& values, float m, std::vector<float>& weights) {
+  const int64_t n = static_cast<int64_t>(values.size());
+  weights.resize(n);
+  const __m256 max_v = _mm256_set1_ps(m);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(weights.data() + i, llmserve::exp8(_mm256_sub_ps(_mm256_loadu_ps(values.data() + i), max_v)));
+  for (; i < n; ++i) weights[i] = std::exp(values[i] - m);
+}
+
+// The value at which the descending cumulative weight of the candidates first reaches target (the smallest
+// candidate where rounding kept the sum short). Many candidates are binned first by their distance below the
+// max (a monotone map: a lower bin holds only larger values), and only the bin where the sum crosses is sorted.
+float nucleus_cut(const std::vector<float>& values, const std::vector<float>& weights, double target, Scratch& s) {
+  const float m = *std::max_element(values.begin(), values.end());
+  const float lowest = *std::min_element(values.begin(), values.end());
+  double cum = 0.0;
+  auto& tail = s.tail;
+  tail.clear();
+  if (values.size() > kSortAtMost && m > lowest && std::isfinite(m - lowest)) {
+    const float scale = static_cast<float>(kBins - 1) / (m - lowest);
+    auto bin = [&](float v) { return std::min(kBins - 1, static_cast<int>((m - v) * scale)); };
+    s.bin_mass.assign(kBins, 0.0);
+    for (size_t i = 0; i < values.size(); ++i) s.bin_mass[bin(values[i])] += weights[i];
+    int crossing = 0;
+    while (crossing < kBins && cum + s.bin_mass[crossing] < target) cum += s.bin_mass[crossing++];
+    if (crossing == kBins) return lowest;
+    for (size_t i = 0; i < values.size(); ++i)
+      if (bin(values[i]) == crossing) tail.emplace_back(values[i], weights[i]);
+  } else {
+    for (size_t i = 0; i < values.size(); ++i) tail.emplace_back(values[i], weights[i]);
+  }
+  std::sort(tail.begin(), tail.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+  for (const auto& [value, weight] : tail) {
+    cum += weight;
+    if (cum >= target) return value;
+  }
+  return lowest;
+}
+
+float row_threshold(const float* x, int64_t V, int64_t k, float p, float log_min_p, Scratch& scratch) {
+  std::vector<float>& candidates = scratch.candidates;
   const bool top_k = k > 0 && k < V, top_p = p < 1.f;
   const float m = row_max(x, V);
   float threshold = m + log_min_p;  // -inf without min-p
@@ -147,24 +199,15 @@ float row_threshold(const float* x, int64_t V, int64_t k, float p, float log_min
     gather_at_least(x, V, m - kWindows[w], candidates);
     if (candidates.empty()) return threshold;  // a NaN max: nothing compares
   }
-  std::sort(candidates.begin(), candidates.end(), std::greater<float>());
+  std::vector<float>& weights = scratch.weights;
+  exp_below(candidates, m, weights);
   double z = 0.0;
   if (top_k) {
-    for (float v : candidates) z += std::exp(v - m);
+    for (float e : weights) z += e;
   } else {
     z = stats.mass[kNumWindows - 1];
   }
-  const double target = static_cast<double>(p) * z;
-  double cum = 0.0;
-  float cut = candidates.back();  // rounding kept the sum short of top_p: every candidate stays
-  for (float v : candidates) {
-    cum += std::exp(v - m);
-    if (cum >= target) {
-      cut = v;
-      break;
-    }
-  }
-  return std::max(threshold, cut);
+  return std::max(threshold, nucleus_cut(candidates, weights, static_cast<double>(p) * z, scratch));
 }
 
 at::Tensor truncation_threshold(const at::Tensor& x, const at::Tensor& top_k, const at::Tensor& top_p,
@@ -185,9 +228,9 @@ at::Tensor truncation_threshold(const at::Tensor& x, const at::Tensor& top_k, co
   const float* mpp = mp_c.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, R, 1, [&](int64_t first, int64_t last) {
-    std::vector<float> candidates;
+    Scratch scratch;
     for (int64_t r = first; r < last; ++r)
-      op[r] = row_threshold(xp + r * x.stride(0), V, kp[r], pp[r], mpp[r], candidates);
+      op[r] = row_threshold(xp + r * x.stride(0), V, kp[r], pp[r], mpp[r], scratch);
   });
   return out;
 }
