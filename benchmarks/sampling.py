@@ -19,6 +19,7 @@ from worker_svc.sampling import Sampler, SamplingBatch, SamplingParams, noise_ke
 CASES = {
     "temperature 1": SamplingParams(temperature=1.0),
     "temperature 0.7, top_p 0.9": SamplingParams(temperature=0.7, top_p=0.9),
+    "temperature 1, top_p 0.95": SamplingParams(temperature=1.0, top_p=0.95),
     "top_k 50": SamplingParams(temperature=1.0, top_k=50),
 }
 
