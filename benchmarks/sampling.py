@@ -16,11 +16,13 @@ import torch
 from worker_svc.kernels import cpu_ext
 from worker_svc.sampling import Sampler, SamplingBatch, SamplingParams, noise_key
 
+# Each case's rows cycle through its parameters.
 CASES = {
-    "temperature 1": SamplingParams(temperature=1.0),
-    "temperature 0.7, top_p 0.9": SamplingParams(temperature=0.7, top_p=0.9),
-    "temperature 1, top_p 0.95": SamplingParams(temperature=1.0, top_p=0.95),
-    "top_k 50": SamplingParams(temperature=1.0, top_k=50),
+    "temperature 1": [SamplingParams(temperature=1.0)],
+    "temperature 0.7, top_p 0.9": [SamplingParams(temperature=0.7, top_p=0.9)],
+    "temperature 1, top_p 0.95": [SamplingParams(temperature=1.0, top_p=0.95)],
+    "top_k 50": [SamplingParams(temperature=1.0, top_k=50)],
+    "greedy / T 0.7 top_p 0.9": [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, top_p=0.9)],
 }
 
 
@@ -59,8 +61,9 @@ def main() -> None:
     for B in args.batches:
         logits = torch.randn(B, args.vocab, generator=torch.Generator().manual_seed(B)).mul_(3).to(torch.bfloat16)
         for label, params in CASES.items():
-            batch = SamplingBatch.build([params] * B, [noise_key(i) for i in range(B)], [[0] * 8] * B, [[1]] * B,
-                                        frozenset(), args.vocab, "cpu")
+            rows = [params[i % len(params)] for i in range(B)]
+            batch = SamplingBatch.build(rows, [noise_key(i) for i in range(B)], [[0] * 8] * B, [[1]] * B, frozenset(),
+                                        args.vocab, "cpu")
             row = f"bs {B:3d} {label:28s}"
             if ops is not None:
                 row += f" fused {best_of(args.rounds, fused.sample, logits, batch):7.2f} ms"

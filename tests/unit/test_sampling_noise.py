@@ -147,7 +147,25 @@ MIXED = [
 ]
 
 
-@pytest.mark.parametrize("rows", [MIXED, [SamplingParams(temperature=0.6)] * 6])
+@pytest.mark.parametrize("isa", [AVX2, AVX512])
+def test_rows_not_sampled_race_without_noise(isa: int) -> None:
+    """sampled=False: the row's argmax of x * inv_temperature over the kept columns, first occurrence on ties."""
+    ops = _ops(isa)
+    V = 5000
+    x = (torch.randn(4, V, generator=torch.Generator().manual_seed(4)) * 3).to(torch.bfloat16)
+    x[3, 17] = x[3, 4000] = 50.0  # a tie at the top: the first wins
+    inv_t, floor = torch.tensor([1.0, 1.0, 2.0, 1.0]), torch.full((4,), float("-inf"))
+    keys, steps = torch.arange(4), torch.zeros(4, dtype=torch.long)
+    sampled = torch.tensor([False, True, False, False])
+    got = ops.gumbel_race(x, inv_t, floor, keys, steps, V, isa, sampled)
+    want = x.float().argmax(dim=-1)
+    assert got[0] == want[0] and got[2] == want[2] and got[3] == 17
+    assert got[1] == ops.gumbel_race(x[1:2], inv_t[1:2], floor[1:2], keys[1:2], steps[1:2], V, isa)[0]
+    with pytest.raises(RuntimeError, match="sampled must be bool"):
+        ops.gumbel_race(x, inv_t, floor, keys, steps, V, isa, sampled[:3])
+
+
+@pytest.mark.parametrize("rows", [MIXED, MIXED[:-1], [SamplingParams(temperature=0.6)] * 6])
 def test_sampler_with_the_fused_race_equals_the_tensor_ops(rows: list[SamplingParams]) -> None:
     ops = _ops(AVX2)
     B, V = len(rows), 4000
@@ -156,6 +174,8 @@ def test_sampler_with_the_fused_race_equals_the_tensor_ops(rows: list[SamplingPa
     keys = [noise_key(100 + i) for i in range(B)]
     for x in steps:
         batch = SamplingBatch.build(rows, keys, outputs, [[1, 2]] * B, frozenset(), V, "cpu")
+        # Without the penalty row the fused sampler reads the raw logits (greedy rows race without noise).
+        assert batch.unprocessed == all(p.repetition_penalty == 1.0 for p in rows)
         fused = Sampler(fused_ops=ops).sample(x.to(torch.bfloat16), batch).next_token_ids
         plain = Sampler().sample(x.to(torch.bfloat16), batch).next_token_ids
         assert torch.equal(fused, plain)
@@ -171,7 +191,7 @@ def test_fused_race_frequencies(temperature: float) -> None:
     keys = [noise_key(7_000_003 + i) for i in range(n)]
     batch = SamplingBatch.build([SamplingParams(temperature=temperature)] * n, keys, [[]] * n, [[]] * n, frozenset(), V,
                                 "cpu")
-    assert batch.plain_sampled
+    assert batch.unprocessed
     ids = Sampler(fused_ops=ops).sample(SMALL_LOGITS.expand(n, V), batch).next_token_ids
     expected = torch.softmax(SMALL_LOGITS.double() / temperature, dim=0)
     assert_frequencies(torch.bincount(ids, minlength=V), expected)

@@ -50,7 +50,7 @@ def _check(x: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[fl
     ops = _ops()
     R, V = x.shape
     log_min_p = [math.log(q) if q > 0 else NEG_INF for q in min_p]
-    got = ops.truncation_threshold(x, torch.tensor(top_k), torch.tensor(top_p, dtype=torch.float32),
+    got = ops.truncation_threshold(x, torch.ones(R), torch.tensor(top_k), torch.tensor(top_p, dtype=torch.float32),
                                    torch.tensor(log_min_p, dtype=torch.float32), V)
     for r in range(R):
         want, margin = reference_threshold(x[r], top_k[r], top_p[r], log_min_p[r])
@@ -93,14 +93,32 @@ def test_rows_read_through_a_stride_and_bad_arguments_are_refused() -> None:
     ops = _ops()
     x = torch.randn(3, 100)
     wide = torch.cat([x, x], dim=1)
-    args = (torch.tensor([5, 0, 0]), torch.tensor([1.0, 0.9, 1.0]), torch.full((3,), NEG_INF))
+    args = (torch.ones(3), torch.tensor([5, 0, 0]), torch.tensor([1.0, 0.9, 1.0]), torch.full((3,), NEG_INF))
     assert torch.equal(ops.truncation_threshold(wide, *args, 100), ops.truncation_threshold(x, *args, 100))
-    with pytest.raises(RuntimeError, match="float32"):
-        ops.truncation_threshold(x.to(torch.bfloat16), *args, 100)
+    with pytest.raises(RuntimeError, match="unsupported dtype"):
+        ops.truncation_threshold(x.to(torch.int32), *args, 100)
     with pytest.raises(RuntimeError, match="top_k"):
-        ops.truncation_threshold(x, torch.tensor([5, 0]), *args[1:], 100)
+        ops.truncation_threshold(x, args[0], torch.tensor([5, 0]), *args[2:], 100)
+    with pytest.raises(RuntimeError, match="inv_temperature"):
+        ops.truncation_threshold(x, torch.ones(2), *args[1:], 100)
     with pytest.raises(RuntimeError, match="V must"):
         ops.truncation_threshold(x, *args, 101)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_half_precision_logits_are_scaled_as_the_tensor_path_scales_them(dtype: torch.dtype) -> None:
+    """x * inv_temperature widened to float32 first (``x.float() * (1 / T)``), whatever x's dtype; rows with
+    nothing to truncate get -inf without being read."""
+    ops = _ops()
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(5, 3001, generator=g) * 4).to(dtype)
+    inv_t = torch.tensor([1 / 0.7, 1.0, 1 / 1.3, 2.0, 1 / 0.7])
+    args = (torch.tensor([40, 0, 7, 0, 0]), torch.tensor([0.9, 0.8, 1.0, 1.0, 1.0]),
+            torch.tensor([NEG_INF, NEG_INF, NEG_INF, math.log(0.1), NEG_INF]))
+    processed = x.float() * inv_t.view(5, 1)
+    want = ops.truncation_threshold(processed, torch.ones(5), *args, 3001)
+    assert torch.equal(ops.truncation_threshold(x, inv_t, *args, 3001), want)
+    assert want[4] == NEG_INF
 
 
 @pytest.mark.parametrize(
@@ -135,7 +153,7 @@ def test_rows_of_nan_or_minus_infinity_do_not_break_the_kernel() -> None:
     x[0] = float("nan")
     x[1, ::2] = float("nan")
     x[2] = NEG_INF
-    got = ops.truncation_threshold(x, torch.tensor([5, 200, 5, 0]), torch.tensor([0.9, 0.9, 0.9, 0.9]),
+    got = ops.truncation_threshold(x, torch.ones(4), torch.tensor([5, 200, 5, 0]), torch.tensor([0.9, 0.9, 0.9, 0.9]),
                                    torch.full((4,), NEG_INF), 300)
     assert got.shape == (4,)
     _check(x[3:], [0], [0.9], [0.0])

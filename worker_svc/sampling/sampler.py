@@ -64,16 +64,18 @@ class FusedSamplingOps(Protocol):
 
     def gumbel_race(
         self, x: torch.Tensor, inv_temperature: torch.Tensor, threshold: torch.Tensor, keys: torch.Tensor,
-        steps: torch.Tensor, V: int, isa: int = 0,
+        steps: torch.Tensor, V: int, isa: int = 0, sampled: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """[R] int64: per row, the first v < V maximizing ``x_v * inv_temperature + g_v`` (noise.py) among the v
-        with ``x_v * inv_temperature >= threshold``."""
+        with ``x_v * inv_temperature >= threshold``; ``g = 0`` on rows where ``sampled`` ([R] bool) is false."""
 
     def truncation_threshold(
-        self, x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, log_min_p: torch.Tensor, V: int
+        self, x: torch.Tensor, inv_temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+        log_min_p: torch.Tensor, V: int,
     ) -> torch.Tensor:
-        """[R] float32: per row of processed logits ``x``, the logit threshold of top-k (0: off), then top-p on
-        the renormalized top-k set (1: off), and min-p (``log(min_p)``, -inf: off); see the module doc."""
+        """[R] float32: per row of processed logits ``x * inv_temperature``, the logit threshold of top-k (0: off),
+        then top-p on the renormalized top-k set (1: off), and min-p (``log(min_p)``, -inf: off); see the module
+        doc. -inf on rows with none of the three."""
 
 
 # Chunked argmax: chunk width, and the smallest CPU tensor for which it beats torch.argmax.
@@ -166,6 +168,13 @@ class Truncation:
         )
 
 
+def _spread(values: torch.Tensor, rows: torch.Tensor, size: int, fill: float | bool) -> torch.Tensor:
+    """[size] with ``values`` at ``rows`` and ``fill`` elsewhere."""
+    out = torch.full((size,), fill, dtype=values.dtype)
+    out[rows] = values
+    return out
+
+
 def _ids_tensor(ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
     return torch.as_tensor(ids, dtype=torch.long).reshape(-1)
 
@@ -183,8 +192,9 @@ class SamplingBatch:
     device: torch.device
     # All greedy, no logprobs, penalties or min-token masks: sample() is one argmax.
     fast_greedy: bool
-    # All sampled, nothing but temperature: sample() is one race over the raw logits.
-    plain_sampled: bool
+    # Some rows sampled, nothing but temperature and truncation: with the fused kernels sample() reads the raw
+    # logits once for thresholds and once for the race, greedy rows racing without noise.
+    unprocessed: bool
     num_sampled: int
     # Row indices, set only when the batch mixes greedy and sampled rows.
     greedy_idx: torch.Tensor | None  # [B - S] long
@@ -341,13 +351,12 @@ class SamplingBatch:
         unprocessed = (
             not need_logprobs and repetition_penalty is None and output_counts is None and min_tokens_rows is None
         )
-        untruncated = truncation.top_k_max == 0 and truncation.top_p is None and truncation.log_min_p is None
         return cls(
             batch_size=B,
             vocab_size=V,
             device=device,
             fast_greedy=S == 0 and unprocessed,
-            plain_sampled=S == B and unprocessed and untruncated,
+            unprocessed=S > 0 and unprocessed,
             num_sampled=S,
             greedy_idx=greedy_idx,
             sample_idx=sample_idx,
@@ -400,14 +409,8 @@ class Sampler:
         if batch.fast_greedy:
             # float32 conversion is exact and order-preserving, so argmax in the input dtype agrees.
             return SampleOutput(_argmax(logits), None, None, None)
-        if batch.plain_sampled and self._fused(logits):
-            assert self.fused_ops is not None
-            # One pass over the model's logits: widened, scaled by 1 / T as below, raced.
-            inv_t = batch.inv_temperatures
-            inv_t = torch.ones(B) if inv_t is None else inv_t.view(B)
-            ids = self.fused_ops.gumbel_race(logits, inv_t, torch.full((B,), float("-inf")), batch.noise_keys,
-                                            batch.noise_steps, V)
-            return SampleOutput(ids, None, None, None)
+        if batch.unprocessed and self._fused(logits):
+            return SampleOutput(self._sample_direct(logits, batch), None, None, None)
 
         x = logits.float()  # [B, V]
         x = self._apply_penalties(x, batch)
@@ -467,6 +470,29 @@ class Sampler:
             counts = batch.output_counts  # [B, V]
             x = x - batch.frequency_penalty * counts - batch.presence_penalty * (counts > 0)
         return x
+
+    def _sample_direct(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """The fused kernels straight on the model's logits ([B, V], any float dtype): each row scaled by 1 / T
+        as the tensor path scales it (greedy rows by 1), truncated by a threshold, raced (greedy rows without
+        noise, which is their argmax). The same tokens as the path below, without its float copies."""
+        assert self.fused_ops is not None
+        B, V, S = batch.batch_size, batch.vocab_size, batch.num_sampled
+        inv_t = torch.ones(B) if batch.inv_temperatures is None else batch.inv_temperatures.view(B)
+        tr = batch.truncation
+        per_row = tr.per_row(S)
+        keys, steps, sampled = batch.noise_keys, batch.noise_steps, None
+        if S < B:  # spread the sampled rows' values over the batch
+            assert batch.sample_idx is not None
+            rows = batch.sample_idx.cpu()
+            keys, steps = _spread(keys, rows, B, 0), _spread(steps, rows, B, 0)
+            sampled = _spread(torch.ones(S, dtype=torch.bool), rows, B, False)
+            per_row = (_spread(per_row[0], rows, B, 0), _spread(per_row[1], rows, B, 1.0),
+                       _spread(per_row[2], rows, B, float("-inf")))
+        if tr.needs_sorted or tr.log_min_p is not None:
+            floor = self.fused_ops.truncation_threshold(logits, inv_t, *per_row, V)
+        else:
+            floor = torch.full((B,), float("-inf"))
+        return self.fused_ops.gumbel_race(logits, inv_t, floor, keys, steps, V, 0, sampled)
 
     def _fused(self, x: torch.Tensor) -> bool:
         return self.fused_ops is not None and x.device.type == "cpu" and x.dim() == 2 and x.stride(1) == 1
@@ -552,7 +578,7 @@ class Sampler:
         assert self.fused_ops is not None
         R, V = xs.shape
         if tr.needs_sorted or tr.log_min_p is not None:
-            floor = self.fused_ops.truncation_threshold(xs, *tr.per_row(R), V)
+            floor = self.fused_ops.truncation_threshold(xs, torch.ones(R), *tr.per_row(R), V)
         else:
             floor = torch.full((R,), float("-inf"))
         return self.fused_ops.gumbel_race(xs, torch.ones(R), floor, keys, steps, V)

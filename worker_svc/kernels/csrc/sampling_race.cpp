@@ -1,8 +1,10 @@
 // Sampling's random race in one pass (worker_svc/sampling/noise.py defines the noise; sampler.py calls this):
 //
 //   gumbel_race(x [R, >= V] f32 / bf16 / f16, inv_temperature [R] f32, threshold [R] f32, keys [R] i64,
-//               steps [R] i64, V) -> [R] i64
+//               steps [R] i64, V, isa, sampled [R] bool or None) -> [R] i64
 //     token = the first v < V maximizing s_v + g_v among the columns with s_v = x_v * inv_temperature >= threshold;
+//     a row with sampled false takes no noise (g = 0: the greedy argmax), so a batch mixing greedy and sampled
+//     rows is one call;
 //   gumbel_noise(keys [R] i64, steps [R] i64, V) -> [R, V] f32: the g_v themselves (tests, the torch path's check).
 //   Both take isa: 0 (auto), 1 (AVX2), 2 (AVX-512).
 //
@@ -27,6 +29,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -123,7 +126,7 @@ LLMSERVE_AVX512 inline __m512 load_scores16(const T* p) { return llmserve::load1
 
 // The best (score, column) of x's columns [begin, end) (begin a multiple of 64).
 template <typename T>
-LLMSERVE_AVX512 Best race_avx512(const T* x, int64_t begin, int64_t end, float inv_t, float threshold,
+LLMSERVE_AVX512 Best race_avx512(const T* x, int64_t begin, int64_t end, float inv_t, float threshold, bool noisy,
                                  uint32_t key0, uint32_t key1, uint32_t step0, uint32_t step1) {
   __m512 best = _mm512_set1_ps(kNegInf);
   __m512i best_at = _mm512_set1_epi32(std::numeric_limits<int32_t>::max());
@@ -137,8 +140,8 @@ LLMSERVE_AVX512 Best race_avx512(const T* x, int64_t begin, int64_t end, float i
       for (int64_t i = 0; i < kBlock; ++i) tail[i] = col + i < end ? widen(x[col + i]) : kNegInf;
       xf = tail;
     }
-    __m512 g[4];
-    noise_block16(col / kBlock, key0, key1, step0, step1, g);
+    __m512 g[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    if (noisy) noise_block16(col / kBlock, key0, key1, step0, step1, g);
     for (int k = 0; k < 4; ++k) {
       const __m512 s = _mm512_mul_ps(xf ? load_scores16(xf + 16 * k) : load_scores16(xt + 16 * k), scale);
       const __mmask16 kept = _mm512_cmp_ps_mask(s, floor, _CMP_GE_OQ);
@@ -235,8 +238,8 @@ inline void noise_half8(int64_t b, int h, uint32_t key0, uint32_t key1, uint32_t
 }
 
 template <typename T>
-Best race_avx2(const T* x, int64_t begin, int64_t end, float inv_t, float threshold, uint32_t key0, uint32_t key1,
-               uint32_t step0, uint32_t step1) {
+Best race_avx2(const T* x, int64_t begin, int64_t end, float inv_t, float threshold, bool noisy, uint32_t key0,
+               uint32_t key1, uint32_t step0, uint32_t step1) {
   __m256 best = _mm256_set1_ps(kNegInf);
   __m256i best_at = _mm256_set1_epi32(std::numeric_limits<int32_t>::max());
   const __m256 scale = _mm256_set1_ps(inv_t), floor = _mm256_set1_ps(threshold);
@@ -247,8 +250,8 @@ Best race_avx2(const T* x, int64_t begin, int64_t end, float inv_t, float thresh
     if (partial)
       for (int64_t i = 0; i < kBlock; ++i) tail[i] = col + i < end ? widen(x[col + i]) : kNegInf;
     for (int h = 0; h < 2; ++h) {
-      __m256 g[4];
-      noise_half8(col / kBlock, h, key0, key1, step0, step1, g);
+      __m256 g[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+      if (noisy) noise_half8(col / kBlock, h, key0, key1, step0, step1, g);
       for (int k = 0; k < 4; ++k) {
         const int64_t at = 16 * k + 8 * h;
         const __m256 s = _mm256_mul_ps(partial ? _mm256_load_ps(tail + at) : llmserve::load8(x + col + at), scale);
@@ -311,7 +314,8 @@ void check_rows(const at::Tensor& keys, const at::Tensor& steps, int64_t rows) {
 }
 
 at::Tensor gumbel_race(const at::Tensor& x, const at::Tensor& inv_temperature, const at::Tensor& threshold,
-                       const at::Tensor& keys, const at::Tensor& steps, int64_t V, int64_t isa) {
+                       const at::Tensor& keys, const at::Tensor& steps, int64_t V, int64_t isa,
+                       const std::optional<at::Tensor>& sampled) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "gumbel_race: x must be [R, V'] with contiguous rows");
   const int64_t R = x.size(0);
   TORCH_CHECK(V >= 1 && V <= x.size(1) && V < (int64_t(1) << 31), "gumbel_race: V must lie in [1, x.size(1)]");
@@ -321,6 +325,9 @@ at::Tensor gumbel_race(const at::Tensor& x, const at::Tensor& inv_temperature, c
               "gumbel_race: inv_temperature and threshold must be float32 [R]");
   const at::Tensor keys_c = keys.contiguous(), steps_c = steps.contiguous();
   const at::Tensor inv_t = inv_temperature.contiguous(), floor = threshold.contiguous();
+  TORCH_CHECK(!sampled || (sampled->scalar_type() == at::kBool && sampled->numel() == R),
+              "gumbel_race: sampled must be bool [R]");
+  const at::Tensor noisy = sampled ? sampled->contiguous() : at::ones({R}, x.options().dtype(at::kBool));
   at::Tensor out = at::empty({R}, x.options().dtype(at::kLong));
   const int64_t chunks = (V + kChunk - 1) / kChunk;
   std::vector<Best> best(R * chunks);
@@ -332,13 +339,14 @@ at::Tensor gumbel_race(const at::Tensor& x, const at::Tensor& inv_temperature, c
     const int64_t* sp = steps_c.data_ptr<int64_t>();
     const float* tp = inv_t.data_ptr<float>();
     const float* fp = floor.data_ptr<float>();
+    const bool* np = noisy.data_ptr<bool>();
     at::parallel_for(0, R * chunks, 1, [&](int64_t first, int64_t last) {
       for (int64_t task = first; task < last; ++task) {
         const int64_t r = task / chunks, begin = (task % chunks) * kChunk, end = std::min(V, begin + kChunk);
         const RowKey k = row_key(kp, sp, r);
         const T* row = xp + r * x.stride(0);
-        best[task] = avx512 ? race_avx512(row, begin, end, tp[r], fp[r], k.key0, k.key1, k.step0, k.step1)
-                            : race_avx2(row, begin, end, tp[r], fp[r], k.key0, k.key1, k.step0, k.step1);
+        best[task] = avx512 ? race_avx512(row, begin, end, tp[r], fp[r], np[r], k.key0, k.key1, k.step0, k.step1)
+                            : race_avx2(row, begin, end, tp[r], fp[r], np[r], k.key0, k.key1, k.step0, k.step1);
       }
     });
   });
@@ -378,7 +386,7 @@ at::Tensor gumbel_noise(const at::Tensor& keys, const at::Tensor& steps, int64_t
 
 TORCH_LIBRARY_FRAGMENT(llmserve_cpu, m) {
   m.def("gumbel_race(Tensor x, Tensor inv_temperature, Tensor threshold, Tensor keys, Tensor steps, int V, "
-        "int isa=0) -> Tensor");
+        "int isa=0, Tensor? sampled=None) -> Tensor");
   m.def("gumbel_noise(Tensor keys, Tensor steps, int V, int isa=0) -> Tensor");
 }
 

@@ -1,9 +1,11 @@
 // The sampler's truncation as one logit threshold per row (sampling/sampler.py defines it; the fused race in
 // sampling_race.cpp then keeps the columns at or above it):
 //
-//   truncation_threshold(x [R, >= V] f32, top_k [R] i64, top_p [R] f32, log_min_p [R] f32, V) -> [R] f32
+//   truncation_threshold(x [R, >= V] f32 / bf16 / f16, inv_temperature [R] f32, top_k [R] i64, top_p [R] f32,
+//                        log_min_p [R] f32, V) -> [R] f32
 //
-// per row, over the columns v < V of the processed logits x:
+// per row, over the columns v < V of the processed logits s = x * inv_temperature (float32, as the sampler's
+// tensor path scales them; a row with nothing to truncate is not read and gets -inf):
 //   kth  = the k-th largest value, counting duplicates (-inf when top_k is 0 or >= V);
 //   cut  = for top_p < 1, the value at which the descending cumulative probability of the columns >= kth,
 //          renormalized over them, first reaches top_p (-inf for top_p >= 1);
@@ -30,6 +32,7 @@
 #include <cstdint>
 #include <functional>
 #include <limits>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -125,6 +128,7 @@ void gather_at_least(const float* x, int64_t V, float floor, std::vector<float>&
 }
 
 struct Scratch {
+  std::vector<float> row;  // the processed logits of a row read from bf16 / f16 or scaled
   std::vector<float> candidates, weights;
   std::vector<double> bin_mass;
   std::vector<std::pair<float, float>> tail;  // (value, weight) of the bin where the sum crosses
@@ -210,27 +214,51 @@ float row_threshold(const float* x, int64_t V, int64_t k, float p, float log_min
   return std::max(threshold, nucleus_cut(candidates, weights, static_cast<double>(p) * z, scratch));
 }
 
-at::Tensor truncation_threshold(const at::Tensor& x, const at::Tensor& top_k, const at::Tensor& top_p,
-                                const at::Tensor& log_min_p, int64_t V) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1,
-              "truncation_threshold: x must be float32 [R, V'] with contiguous rows");
+// The row's processed logits: x itself when it is float32 and unscaled, else widened and scaled into row.
+template <typename T>
+const float* processed_row(const T* x, int64_t V, float inv_t, std::vector<float>& row) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (inv_t == 1.f) return x;
+  }
+  row.resize(V);
+  const __m256 scale = _mm256_set1_ps(inv_t);
+  int64_t i = 0;
+  for (; i + 8 <= V; i += 8) _mm256_storeu_ps(row.data() + i, _mm256_mul_ps(llmserve::load8(x + i), scale));
+  for (; i < V; ++i) row[i] = static_cast<float>(x[i]) * inv_t;
+  return row.data();
+}
+
+at::Tensor truncation_threshold(const at::Tensor& x, const at::Tensor& inv_temperature, const at::Tensor& top_k,
+                                const at::Tensor& top_p, const at::Tensor& log_min_p, int64_t V) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "truncation_threshold: x must be [R, V'] with contiguous rows");
   const int64_t R = x.size(0);
   TORCH_CHECK(V >= 1 && V <= x.size(1), "truncation_threshold: V must lie in [1, x.size(1)]");
   TORCH_CHECK(top_k.scalar_type() == at::kLong && top_k.numel() == R, "truncation_threshold: top_k must be int64 [R]");
-  TORCH_CHECK(top_p.scalar_type() == at::kFloat && top_p.numel() == R && log_min_p.scalar_type() == at::kFloat &&
-                  log_min_p.numel() == R,
-              "truncation_threshold: top_p and log_min_p must be float32 [R]");
-  const at::Tensor k_c = top_k.contiguous(), p_c = top_p.contiguous(), mp_c = log_min_p.contiguous();
-  at::Tensor out = at::empty({R}, x.options());
-  const float* xp = x.data_ptr<float>();
+  for (const at::Tensor* t : {&inv_temperature, &top_p, &log_min_p})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->numel() == R,
+                "truncation_threshold: inv_temperature, top_p and log_min_p must be float32 [R]");
+  const at::Tensor t_c = inv_temperature.contiguous(), k_c = top_k.contiguous(), p_c = top_p.contiguous();
+  const at::Tensor mp_c = log_min_p.contiguous();
+  at::Tensor out = at::empty({R}, x.options().dtype(at::kFloat));
+  const float* tp = t_c.data_ptr<float>();
   const int64_t* kp = k_c.data_ptr<int64_t>();
   const float* pp = p_c.data_ptr<float>();
   const float* mpp = mp_c.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, R, 1, [&](int64_t first, int64_t last) {
-    Scratch scratch;
-    for (int64_t r = first; r < last; ++r)
-      op[r] = row_threshold(xp + r * x.stride(0), V, kp[r], pp[r], mpp[r], scratch);
+  llmserve::dispatch_float(x.scalar_type(), "truncation_threshold", [&](auto tag) {
+    using T = decltype(tag);
+    const T* xp = x.data_ptr<T>();
+    at::parallel_for(0, R, 1, [&](int64_t first, int64_t last) {
+      Scratch scratch;
+      for (int64_t r = first; r < last; ++r) {
+        if ((kp[r] <= 0 || kp[r] >= V) && !(pp[r] < 1.f) && mpp[r] == kNegInf) {
+          op[r] = kNegInf;  // nothing to truncate (a greedy row among them)
+          continue;
+        }
+        const float* row = processed_row(xp + r * x.stride(0), V, tp[r], scratch.row);
+        op[r] = row_threshold(row, V, kp[r], pp[r], mpp[r], scratch);
+      }
+    });
   });
   return out;
 }
@@ -238,7 +266,8 @@ at::Tensor truncation_threshold(const at::Tensor& x, const at::Tensor& top_k, co
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(llmserve_cpu, m) {
-  m.def("truncation_threshold(Tensor x, Tensor top_k, Tensor top_p, Tensor log_min_p, int V) -> Tensor");
+  m.def("truncation_threshold(Tensor x, Tensor inv_temperature, Tensor top_k, Tensor top_p, Tensor log_min_p, "
+        "int V) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(llmserve_cpu, CPU, m) { m.impl("truncation_threshold", &truncation_threshold); }
