@@ -49,9 +49,21 @@ struct Best {
   int64_t index;
 };
 
-// Higher score wins; on equal scores the lower column (torch.argmax's first occurrence).
-inline bool better(float score, int64_t index, const Best& b) {
-  return score > b.score || (score == b.score && index < b.index);
+constexpr int64_t kNoColumn = std::numeric_limits<int64_t>::max();  // a Best that kept nothing
+constexpr int32_t kNoLane = std::numeric_limits<int32_t>::max();     // a register lane that kept nothing
+
+// Folds a candidate into b: higher score wins; on equal scores the lower column (torch.argmax's first
+// occurrence). A candidate with kNoColumn is skipped.
+inline void fold(Best& b, float score, int64_t index) {
+  if (index != kNoColumn && (score > b.score || (score == b.score && index < b.index))) b = {score, index};
+}
+
+// The best of a register's lanes, stored to memory.
+inline Best best_of_lanes(const float* scores, const int32_t* at, int lanes) {
+  Best out{kNegInf, kNoColumn};
+  for (int i = 0; i < lanes; ++i)
+    if (at[i] != kNoLane) fold(out, scores[i], at[i]);
+  return out;
 }
 
 template <typename T>
@@ -129,7 +141,7 @@ template <typename T>
 LLMSERVE_AVX512 Best race_avx512(const T* x, int64_t begin, int64_t end, float inv_t, float threshold, bool noisy,
                                  uint32_t key0, uint32_t key1, uint32_t step0, uint32_t step1) {
   __m512 best = _mm512_set1_ps(kNegInf);
-  __m512i best_at = _mm512_set1_epi32(std::numeric_limits<int32_t>::max());
+  __m512i best_at = _mm512_set1_epi32(kNoLane);
   const __m512 scale = _mm512_set1_ps(inv_t), floor = _mm512_set1_ps(threshold);
   const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   alignas(64) float tail[kBlock];
@@ -157,10 +169,7 @@ LLMSERVE_AVX512 Best race_avx512(const T* x, int64_t begin, int64_t end, float i
   alignas(64) int32_t at[16];
   _mm512_store_ps(scores, best);
   _mm512_store_si512(reinterpret_cast<__m512i*>(at), best_at);
-  Best out{kNegInf, std::numeric_limits<int64_t>::max()};
-  for (int i = 0; i < 16; ++i)
-    if (at[i] != std::numeric_limits<int32_t>::max() && better(scores[i], at[i], out)) out = {scores[i], at[i]};
-  return out;
+  return best_of_lanes(scores, at, 16);
 }
 
 LLMSERVE_AVX512 void noise_row_avx512(float* out, int64_t V, uint32_t key0, uint32_t key1, uint32_t step0,
@@ -241,7 +250,7 @@ template <typename T>
 Best race_avx2(const T* x, int64_t begin, int64_t end, float inv_t, float threshold, bool noisy, uint32_t key0,
                uint32_t key1, uint32_t step0, uint32_t step1) {
   __m256 best = _mm256_set1_ps(kNegInf);
-  __m256i best_at = _mm256_set1_epi32(std::numeric_limits<int32_t>::max());
+  __m256i best_at = _mm256_set1_epi32(kNoLane);
   const __m256 scale = _mm256_set1_ps(inv_t), floor = _mm256_set1_ps(threshold);
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   alignas(32) float tail[kBlock];
@@ -270,10 +279,7 @@ Best race_avx2(const T* x, int64_t begin, int64_t end, float inv_t, float thresh
   alignas(32) int32_t at[8];
   _mm256_store_ps(scores, best);
   _mm256_store_si256(reinterpret_cast<__m256i*>(at), best_at);
-  Best out{kNegInf, std::numeric_limits<int64_t>::max()};
-  for (int i = 0; i < 8; ++i)
-    if (at[i] != std::numeric_limits<int32_t>::max() && better(scores[i], at[i], out)) out = {scores[i], at[i]};
-  return out;
+  return best_of_lanes(scores, at, 8);
 }
 
 void noise_row_avx2(float* out, int64_t V, uint32_t key0, uint32_t key1, uint32_t step0, uint32_t step1) {
@@ -352,12 +358,9 @@ at::Tensor gumbel_race(const at::Tensor& x, const at::Tensor& inv_temperature, c
   });
   int64_t* op = out.data_ptr<int64_t>();
   for (int64_t r = 0; r < R; ++r) {
-    Best b{kNegInf, std::numeric_limits<int64_t>::max()};
-    for (int64_t c = 0; c < chunks; ++c)
-      if (best[r * chunks + c].index != std::numeric_limits<int64_t>::max() &&
-          better(best[r * chunks + c].score, best[r * chunks + c].index, b))
-        b = best[r * chunks + c];
-    op[r] = b.index == std::numeric_limits<int64_t>::max() ? 0 : b.index;  // nothing kept: 0, as torch.argmax
+    Best b{kNegInf, kNoColumn};
+    for (int64_t c = 0; c < chunks; ++c) fold(b, best[r * chunks + c].score, best[r * chunks + c].index);
+    op[r] = b.index == kNoColumn ? 0 : b.index;  // nothing kept: 0, as torch.argmax
   }
   return out;
 }

@@ -86,12 +86,11 @@ WindowStats window_stats(const float* x, int64_t V, float m, bool with_mass) {
   int64_t i = 0;
   // Float lanes sum at most 1024 values of <= 1 between flushes to double (rounding ~1e-7 of the sum).
   alignas(32) float mass_lanes[8];
-  alignas(32) int32_t count_lanes[8];
   auto flush = [&]() {
     for (int w = 0; w < kNumWindows; ++w) {
       _mm256_store_ps(mass_lanes, mass[w]);
-      _mm256_store_si256(reinterpret_cast<__m256i*>(count_lanes), counts[w]);
-      for (int l = 0; l < 8; ++l) stats.mass[w] += mass_lanes[l], stats.count[w] += count_lanes[l];
+      for (float lane : mass_lanes) stats.mass[w] += lane;
+      stats.count[w] += llmserve::hsum(counts[w]);
       mass[w] = _mm256_setzero_ps();
       counts[w] = _mm256_setzero_si256();
     }
@@ -145,11 +144,11 @@ void exp_below(const std::vector<float>& values, float m, std::vector<float>& we
   for (; i < n; ++i) weights[i] = std::exp(values[i] - m);
 }
 
-// The value at which the descending cumulative weight of the candidates first reaches target (the smallest
-// candidate where rounding kept the sum short). Many candidates are binned first by their distance below the
+// The value at which the descending cumulative weight of the candidates (m: the row's max, one of them) first
+// reaches target (the smallest candidate where rounding kept the sum short). Many candidates are binned first by their distance below the
 // max (a monotone map: a lower bin holds only larger values), and only the bin where the sum crosses is sorted.
-float nucleus_cut(const std::vector<float>& values, const std::vector<float>& weights, double target, Scratch& s) {
-  const float m = *std::max_element(values.begin(), values.end());
+float nucleus_cut(const std::vector<float>& values, const std::vector<float>& weights, float m, double target,
+                  Scratch& s) {
   const float lowest = *std::min_element(values.begin(), values.end());
   double cum = 0.0;
   auto& tail = s.tail;
@@ -211,7 +210,7 @@ float row_threshold(const float* x, int64_t V, int64_t k, float p, float log_min
   } else {
     z = stats.mass[kNumWindows - 1];
   }
-  return std::max(threshold, nucleus_cut(candidates, weights, static_cast<double>(p) * z, scratch));
+  return std::max(threshold, nucleus_cut(candidates, weights, m, static_cast<double>(p) * z, scratch));
 }
 
 // The row's processed logits: x itself when it is float32 and unscaled, else widened and scaled into row.
