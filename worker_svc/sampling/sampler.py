@@ -140,6 +140,10 @@ class Truncation:
     def needs_sorted(self) -> bool:
         return self.top_k_max > 0 or self.top_p is not None
 
+    @property
+    def truncates(self) -> bool:
+        return self.needs_sorted or self.log_min_p is not None
+
     def per_row(self, R: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """[R] top_k (int64, 0: off), top_p (float32, 1: off) and log(min_p) (float32, -inf: off), on the CPU."""
         top_k = torch.zeros(R, dtype=torch.long)
@@ -476,23 +480,20 @@ class Sampler:
         as the tensor path scales it (greedy rows by 1), truncated by a threshold, raced (greedy rows without
         noise, which is their argmax). The same tokens as the path below, without its float copies."""
         assert self.fused_ops is not None
-        B, V, S = batch.batch_size, batch.vocab_size, batch.num_sampled
+        B, S = batch.batch_size, batch.num_sampled
         inv_t = torch.ones(B) if batch.inv_temperatures is None else batch.inv_temperatures.view(B)
         tr = batch.truncation
-        per_row = tr.per_row(S)
+        per_row = tr.per_row(S) if tr.truncates else None
         keys, steps, sampled = batch.noise_keys, batch.noise_steps, None
         if S < B:  # spread the sampled rows' values over the batch
             assert batch.sample_idx is not None
             rows = batch.sample_idx.cpu()
             keys, steps = _spread(keys, rows, B, 0), _spread(steps, rows, B, 0)
             sampled = _spread(torch.ones(S, dtype=torch.bool), rows, B, False)
-            per_row = (_spread(per_row[0], rows, B, 0), _spread(per_row[1], rows, B, 1.0),
-                       _spread(per_row[2], rows, B, float("-inf")))
-        if tr.needs_sorted or tr.log_min_p is not None:
-            floor = self.fused_ops.truncation_threshold(logits, inv_t, *per_row, V)
-        else:
-            floor = torch.full((B,), float("-inf"))
-        return self.fused_ops.gumbel_race(logits, inv_t, floor, keys, steps, V, 0, sampled)
+            if per_row is not None:
+                per_row = (_spread(per_row[0], rows, B, 0), _spread(per_row[1], rows, B, 1.0),
+                           _spread(per_row[2], rows, B, float("-inf")))
+        return self._race_fused(logits, inv_t, keys, steps, per_row, sampled)
 
     def _fused(self, x: torch.Tensor) -> bool:
         return self.fused_ops is not None and x.device.type == "cpu" and x.dim() == 2 and x.stride(1) == 1
@@ -503,7 +504,7 @@ class Sampler:
         keys, steps = batch.noise_keys, batch.noise_steps
         tr = batch.truncation
         if self._fused(xs):
-            return self._race_fused(xs, keys, steps, tr)
+            return self._race_fused(xs, torch.ones(S), keys, steps, tr.per_row(S) if tr.truncates else None)
         if tr.top_k_max == 0:
             return self._race_full(xs, keys, steps, tr)
         # Top-k view one wider than the largest k, so that position k (a possible tie) is visible.
@@ -563,7 +564,7 @@ class Sampler:
         """Truncate and race over the whole vocabulary. xs: [R, V]; keys, steps: [R] (noise.py)."""
         R, V = xs.shape
         thresh: torch.Tensor | None = None  # [R, 1] keep iff logit >= thresh
-        if tr.needs_sorted or tr.log_min_p is not None:
+        if tr.truncates:
             m = xs.amax(dim=-1, keepdim=True)  # [R, 1]; the max is never truncated
             if tr.needs_sorted:
                 e = (xs - m).exp_()  # [R, V] unnormalized probabilities (in place: fewer big temporaries)
@@ -573,15 +574,20 @@ class Sampler:
                 thresh = mp if thresh is None else torch.maximum(thresh, mp)
         return noise.gumbel_race(xs, thresh, keys, steps)
 
-    def _race_fused(self, xs: torch.Tensor, keys: torch.Tensor, steps: torch.Tensor, tr: Truncation) -> torch.Tensor:
-        """Truncate and race in this project's CPU kernels: a threshold per row, then one race over the row."""
+    def _race_fused(
+        self, x: torch.Tensor, inv_t: torch.Tensor, keys: torch.Tensor, steps: torch.Tensor,
+        per_row: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, sampled: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Truncate and race in this project's CPU kernels over the rows of ``x * inv_t`` ([R, V], [R]): a threshold
+        per row (``per_row``: Truncation.per_row over these rows; None: no truncation), then one race (without noise
+        on rows where ``sampled`` is false)."""
         assert self.fused_ops is not None
-        R, V = xs.shape
-        if tr.needs_sorted or tr.log_min_p is not None:
-            floor = self.fused_ops.truncation_threshold(xs, torch.ones(R), *tr.per_row(R), V)
+        R, V = x.shape
+        if per_row is not None:
+            floor = self.fused_ops.truncation_threshold(x, inv_t, *per_row, V)
         else:
             floor = torch.full((R,), float("-inf"))
-        return self.fused_ops.gumbel_race(xs, torch.ones(R), floor, keys, steps, V)
+        return self.fused_ops.gumbel_race(x, inv_t, floor, keys, steps, V, 0, sampled)
 
     def _top_k_top_p_threshold(
         self, xs: torch.Tensor, e: torch.Tensor, m: torch.Tensor, tr: Truncation
