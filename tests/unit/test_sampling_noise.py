@@ -21,7 +21,8 @@ from worker_svc.sampling import Sampler, SamplingBatch, SamplingParams, noise, n
 AVX2, AVX512 = 1, 2  # the kernels' isa argument
 
 
-def _ops(isa: int):
+def kernel_ops(isa: int = AVX2):
+    """This project's C++ kernels, or a skip where they (or the ISA asked for) cannot run here."""
     ops = cpu_ext.load()
     if ops is None:
         pytest.skip("this project's C++ kernels cannot run here (not x86-64 with AVX2, or no compiler)")
@@ -74,7 +75,7 @@ def test_uniforms_are_uniform() -> None:
 @pytest.mark.parametrize("isa", [AVX2, AVX512])
 @pytest.mark.parametrize("V", [1, 8, 63, 64, 65, 1000, 49159])
 def test_kernel_noise_equals_the_definition(isa: int, V: int) -> None:
-    ops = _ops(isa)
+    ops = kernel_ops(isa)
     reference = noise.gumbel(noise.uniforms(KEYS, STEPS, V))
     torch.testing.assert_close(ops.gumbel_noise(KEYS, STEPS, V, isa), reference, rtol=2e-7, atol=6e-7)
 
@@ -92,7 +93,7 @@ def _race_inputs(R: int, V: int, width: int, dtype: torch.dtype, seed: int):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("V", [5, 200, 20_000])
 def test_kernel_race_equals_the_definition(isa: int, dtype: torch.dtype, V: int) -> None:
-    ops = _ops(isa)
+    ops = kernel_ops(isa)
     R = 24
     x, keys, steps, inv_t = _race_inputs(R, V, V + 13, dtype, seed=V)  # a padded row: V of V + 13 columns
     s = x[:, :V].float() * inv_t.view(R, 1)
@@ -113,7 +114,7 @@ def test_kernel_race_equals_the_definition(isa: int, dtype: torch.dtype, V: int)
 
 @pytest.mark.parametrize("isa", [AVX2, AVX512])
 def test_kernel_race_edges(isa: int) -> None:
-    ops = _ops(isa)
+    ops = kernel_ops(isa)
     V = 300
     x, keys, steps, _ = _race_inputs(3, V, V, torch.float32, seed=1)
     ones = torch.ones(3)
@@ -150,7 +151,7 @@ MIXED = [
 @pytest.mark.parametrize("isa", [AVX2, AVX512])
 def test_rows_not_sampled_race_without_noise(isa: int) -> None:
     """sampled=False: the row's argmax of x * inv_temperature over the kept columns, first occurrence on ties."""
-    ops = _ops(isa)
+    ops = kernel_ops(isa)
     V = 5000
     x = (torch.randn(4, V, generator=torch.Generator().manual_seed(4)) * 3).to(torch.bfloat16)
     x[3, 17] = x[3, 4000] = 50.0  # a tie at the top: the first wins
@@ -167,7 +168,7 @@ def test_rows_not_sampled_race_without_noise(isa: int) -> None:
 
 @pytest.mark.parametrize("rows", [MIXED, MIXED[:-1], [SamplingParams(temperature=0.6)] * 6])
 def test_sampler_with_the_fused_race_equals_the_tensor_ops(rows: list[SamplingParams]) -> None:
-    ops = _ops(AVX2)
+    ops = kernel_ops(AVX2)
     B, V = len(rows), 4000
     steps = random_steps(12, B, V, seed=5, bf16=True)
     outputs: list[list[int]] = [[] for _ in rows]
@@ -186,7 +187,7 @@ def test_sampler_with_the_fused_race_equals_the_tensor_ops(rows: list[SamplingPa
 
 @pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
 def test_fused_race_frequencies(temperature: float) -> None:
-    ops = _ops(AVX2)
+    ops = kernel_ops(AVX2)
     n, V = 20_000, 8
     keys = [noise_key(7_000_003 + i) for i in range(n)]
     batch = SamplingBatch.build([SamplingParams(temperature=temperature)] * n, keys, [[]] * n, [[]] * n, frozenset(), V,

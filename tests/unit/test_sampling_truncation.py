@@ -14,17 +14,10 @@ import pytest
 import torch
 
 from tests.unit.test_sampling import SMALL_LOGITS, assert_frequencies
-from worker_svc.kernels import cpu_ext
+from tests.unit.test_sampling_noise import kernel_ops
 from worker_svc.sampling import Sampler, SamplingBatch, SamplingParams, noise_key
 
 NEG_INF = float("-inf")
-
-
-def _ops():
-    ops = cpu_ext.load()
-    if ops is None:
-        pytest.skip("this project's C++ kernels cannot run here (not x86-64 with AVX2, or no compiler)")
-    return ops
 
 
 def reference_threshold(x: torch.Tensor, k: int, p: float, log_min_p: float) -> tuple[float, float]:
@@ -47,7 +40,7 @@ def reference_threshold(x: torch.Tensor, k: int, p: float, log_min_p: float) -> 
 
 
 def _check(x: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float]) -> None:
-    ops = _ops()
+    ops = kernel_ops()
     R, V = x.shape
     log_min_p = [math.log(q) if q > 0 else NEG_INF for q in min_p]
     got = ops.truncation_threshold(x, torch.ones(R), torch.tensor(top_k), torch.tensor(top_p, dtype=torch.float32),
@@ -90,7 +83,7 @@ def test_a_nucleus_past_the_widest_window() -> None:
 
 
 def test_rows_read_through_a_stride_and_bad_arguments_are_refused() -> None:
-    ops = _ops()
+    ops = kernel_ops()
     x = torch.randn(3, 100)
     wide = torch.cat([x, x], dim=1)
     args = (torch.ones(3), torch.tensor([5, 0, 0]), torch.tensor([1.0, 0.9, 1.0]), torch.full((3,), NEG_INF))
@@ -109,7 +102,7 @@ def test_rows_read_through_a_stride_and_bad_arguments_are_refused() -> None:
 def test_half_precision_logits_are_scaled_as_the_tensor_path_scales_them(dtype: torch.dtype) -> None:
     """x * inv_temperature widened to float32 first (``x.float() * (1 / T)``), whatever x's dtype; rows with
     nothing to truncate get -inf without being read."""
-    ops = _ops()
+    ops = kernel_ops()
     g = torch.Generator().manual_seed(3)
     x = (torch.randn(5, 3001, generator=g) * 4).to(dtype)
     inv_t = torch.tensor([1 / 0.7, 1.0, 1 / 1.3, 2.0, 1 / 0.7])
@@ -130,7 +123,7 @@ def test_half_precision_logits_are_scaled_as_the_tensor_path_scales_them(dtype: 
     ],
 )
 def test_fused_truncation_samples_the_truncated_distribution(params: SamplingParams, keep: int | None) -> None:
-    ops = _ops()
+    ops = kernel_ops()
     n, V = 20_000, SMALL_LOGITS.numel()
     keys = [noise_key(9_000_011 + i) for i in range(n)]
     batch = SamplingBatch.build([params] * n, keys, [[]] * n, [[]] * n, frozenset(), V, "cpu")
@@ -148,7 +141,7 @@ def test_fused_truncation_samples_the_truncated_distribution(params: SamplingPar
 def test_rows_of_nan_or_minus_infinity_do_not_break_the_kernel() -> None:
     """A model that produced NaN logits is a bug upstream; the threshold must still return, not read past a
     buffer (it leaves such rows untruncated)."""
-    ops = _ops()
+    ops = kernel_ops()
     x = torch.randn(4, 300)
     x[0] = float("nan")
     x[1, ::2] = float("nan")
