@@ -22,6 +22,7 @@ from worker_svc.config.engine_config import EngineConfig
 from worker_svc.executor.compiled_decode import compile_plan
 from worker_svc.executor.model_runner import ModelRunner
 from worker_svc.kernels import cpu_ext
+from worker_svc.kernels.bf16_linear import fbgemm_available
 from worker_svc.parallel.context import TPContext
 
 CPU_OPS = cpu_ext.load()
@@ -52,12 +53,19 @@ def test_compile_plan(model_factory) -> None:
 
 
 @pytest.mark.skipif(CPU_OPS is None, reason="the CPU kernels (AVX2) are unavailable: the compiled path is theirs")
-@pytest.mark.parametrize("torchao_config", [None, "int4wo-32"])
-def test_compiled_decode_gives_the_eager_logits(model_factory, torchao_config) -> None:
+@pytest.mark.parametrize(("torchao_config", "bf16_linear"), [
+    (None, "auto"),
+    ("int4wo-32", "auto"),
+    # What an AVX2-only host picks for bf16: FBGEMM's fp16 GEMM (an opaque op to dynamo). Forced here so
+    # every host compiles through it; it once made compiling fail on such hosts (decode ran eagerly).
+    pytest.param(None, "fbgemm_fp16", marks=pytest.mark.skipif(not fbgemm_available(),
+                                                                reason="this torch build has no FBGEMM")),
+])
+def test_compiled_decode_gives_the_eager_logits(model_factory, torchao_config, bf16_linear) -> None:
     """bf16 on this host's kernels (and its int4 weight-only kernel): the same logits as the eager runner
     at every decode step, bit for bit (inductor rounds where eager does: emulate_precision_casts)."""
     model_dir = model_factory("tiny")
-    config = _engine_config(model_dir, torchao_config=torchao_config)
+    config = _engine_config(model_dir, torchao_config=torchao_config, cpu_bf16_linear=bf16_linear)
     eager = Requests(ModelRunner(dataclasses.replace(config, disable_fused_decode=True)))  # layer by layer
     compiled_runner = ModelRunner(dataclasses.replace(config, enable_torch_compile=True, torch_compile_max_bs=4))
     compiled = compiled_runner.compiled_decode

@@ -39,6 +39,21 @@ def fbgemm_available() -> bool:
     return "fbgemm" in torch.backends.quantized.supported_engines
 
 
+@torch.library.custom_op("llmserve::fbgemm_linear_fp16", mutates_args=())
+def fbgemm_linear_fp16(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """[rows, in] fp32 @ the packed fp16 weight + [out] fp32 bias -> [rows, out] fp32.
+
+    aten's ``fbgemm_linear_fp16_weight`` is a composite op that reads a C++ object's address out of
+    ``packed`` (an 8-byte tensor), so torch.compile cannot trace into it; as an opaque op with a
+    shape-only kernel the compiled decode calls it like any other kernel (executor/compiled_decode.py)."""
+    return torch.fbgemm_linear_fp16_weight(x, packed, bias)
+
+
+@fbgemm_linear_fp16.register_fake
+def _fbgemm_linear_fp16_shape(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((x.shape[0], bias.shape[0]))
+
+
 def cpu_has_native_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
     try:
         flags = next((line for line in cpuinfo.read_text().splitlines() if line.startswith("flags")), "")
@@ -138,5 +153,5 @@ class PackedFp16Linear:
             return F.linear(x, weight, bias)
         x2 = x2.float()
         b = self._zero_bias if bias is None else bias.float()
-        out = torch.fbgemm_linear_fp16_weight(x2, self.packed, b)  # [rows, out] fp32
+        out = fbgemm_linear_fp16(x2, self.packed, b)  # [rows, out] fp32
         return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
