@@ -50,7 +50,6 @@ namespace {
 
 using llmserve::cpu_has_avx512_bf16;
 using llmserve::dot_bf16;
-using llmserve::exp16;
 
 constexpr int64_t kLanes = 16;
 constexpr int64_t kKeyBlock = 64;                  // keys per score tile
@@ -173,6 +172,22 @@ LLMSERVE_AVX512 void store_rows(const Problem& pb, int64_t hq, int64_t t0, int64
   }
 }
 
+// 2^x for x <= 0 (or -inf, which gives exactly 0), within 2 ulp: x = n + f, |f| <= 1/2, 2^f by a degree-5
+// polynomial (least squares on [-1/2, 1/2]), scaled by 2^n. Below 2^-126 it is 0.
+LLMSERVE_AVX512 inline __m512 exp2_nonpositive(__m512 x) {
+  const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.f), _CMP_GE_OQ);
+  x = _mm512_max_ps(x, _mm512_set1_ps(-126.f));
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(1.32187e-3f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.67170e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550893e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022238e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314686e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_maskz_scalef_ps(live, p, n);
+}
+
 // Per thread: a task's running state.
 struct TaskState {
   std::vector<float> o;      // [kQueryBlock][Dv] fp32 output accumulators
@@ -208,7 +223,9 @@ LLMSERVE_AVX512_BF16 void run_task(const Problem& pb, int64_t hq, int64_t t0, in
   std::fill(st.o.begin(), st.o.end(), 0.f);
   std::fill(st.max.begin(), st.max.end(), -std::numeric_limits<float>::infinity());
   std::fill(st.sum.begin(), st.sum.end(), 0.f);
-  const __m512 scale = _mm512_set1_ps(pb.scale), minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  // Scores in log2 units (scale * log2(e)): the softmax is exp2 (exp2_nonpositive), without exp's range reduction.
+  const __m512 scale2 = _mm512_set1_ps(pb.scale * 1.44269504088896341f);
+  const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   // The last row sees keys [0, prefix + t0 + rows).
   const int64_t blocks = (pb.prefix + t0 + rows + kKeyBlock - 1) / kKeyBlock;
   for (int64_t b = 0; b < blocks; ++b) {
@@ -243,22 +260,22 @@ LLMSERVE_AVX512_BF16 void run_task(const Problem& pb, int64_t hq, int64_t t0, in
         for (int v = 0; v < kKeyVecs; ++v) {
           const int64_t left = seen[m] - v * kLanes;
           const __mmask16 keep = left >= kLanes ? __mmask16(0xFFFF) : left <= 0 ? __mmask16(0) : __mmask16((1u << left) - 1);
-          s[m][v] = _mm512_mask_mul_ps(minus_inf, keep, s[m][v], scale);
+          s[m][v] = _mm512_mask_mul_ps(minus_inf, keep, s[m][v], scale2);
           peak = _mm512_max_ps(peak, s[m][v]);
         }
         float& row_max = st.max[r0 + m];
-        // Every row sees key 0 in block 0, so the new max is finite; the first block's correction is e^-inf = 0.
+        // Every row sees key 0 in block 0, so the new max is finite; the first block's correction is 2^-inf = 0.
         const float new_max = std::max(row_max, _mm512_reduce_max_ps(peak));
         shift_by[m] = row_max - new_max;
         row_max = new_max;
       }
       alignas(64) float corr[kLanes];
-      _mm512_store_ps(corr, exp16(_mm512_load_ps(shift_by)));
+      _mm512_store_ps(corr, exp2_nonpositive(_mm512_load_ps(shift_by)));
       for (int m = 0; m < kRows; ++m) {
         const __m512 shift = _mm512_set1_ps(st.max[r0 + m]);
         __m512 total = _mm512_setzero_ps();
         for (int v = 0; v < kKeyVecs; ++v) {
-          s[m][v] = exp16(_mm512_sub_ps(s[m][v], shift));
+          s[m][v] = exp2_nonpositive(_mm512_sub_ps(s[m][v], shift));
           total = _mm512_add_ps(total, s[m][v]);
         }
         st.sum[r0 + m] = st.sum[r0 + m] * corr[m] + _mm512_reduce_add_ps(total);
@@ -324,22 +341,6 @@ LLMSERVE_AMX inline void multiply_tiles(int n, const uint32_t* b, int64_t b_step
     _tile_loadd(7, b + 3 * b_step, b_stride);
     _tile_dpbf16ps(3, 4, 7);
   }
-}
-
-// 2^x for x <= 0 (or -inf, which gives exactly 0), within 2 ulp: x = n + f, |f| <= 1/2, 2^f by a degree-5
-// polynomial (least squares on [-1/2, 1/2]), scaled by 2^n. Below 2^-126 it is 0.
-LLMSERVE_AVX512 inline __m512 exp2_nonpositive(__m512 x) {
-  const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.f), _CMP_GE_OQ);
-  x = _mm512_max_ps(x, _mm512_set1_ps(-126.f));
-  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(x, n);
-  __m512 p = _mm512_set1_ps(1.32187e-3f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.67170e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550893e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022238e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314686e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  return _mm512_maskz_scalef_ps(live, p, n);
 }
 
 struct Max {
