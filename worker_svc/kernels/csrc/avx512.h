@@ -60,6 +60,27 @@ LLMSERVE_AVX512 inline __m512 exp16(__m512 x) {
   return _mm512_maskz_scalef_ps(live, y, n);  // y 2^n: saturates to +inf for n = 128
 }
 
+// 2^x for x <= 0 (or -inf, which gives exactly 0), within 2 ulp: x = n + f, |f| <= 1/2, 2^f by a degree-5
+// polynomial (least squares on [-1/2, 1/2]), scaled by 2^n. Below 2^-126 it is 0.
+LLMSERVE_AVX512 inline __m512 exp2_nonpositive(__m512 x) {
+  const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.f), _CMP_GE_OQ);
+  x = _mm512_max_ps(x, _mm512_set1_ps(-126.f));
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(1.32187e-3f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.67170e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550893e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022238e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314686e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_maskz_scalef_ps(live, p, n);
+}
+
+// The first n of 16 lanes (none for n <= 0, all for n >= 16): masks of a row's tail.
+inline __mmask16 first_lanes(int64_t n) {
+  return n >= 16 ? __mmask16(0xFFFF) : n <= 0 ? __mmask16(0) : __mmask16((1u << n) - 1);
+}
+
 // 16 fp32 -> 16 bf16, rounded as bf16_bits.
 LLMSERVE_AVX512 inline __m256i to_bf16(__m512 v) { return _mm512_cvtepi32_epi16(bf16_bits(v)); }
 

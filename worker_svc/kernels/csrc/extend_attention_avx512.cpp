@@ -50,6 +50,8 @@ namespace {
 
 using llmserve::cpu_has_avx512_bf16;
 using llmserve::dot_bf16;
+using llmserve::exp2_nonpositive;
+using llmserve::first_lanes;
 
 constexpr int64_t kLanes = 16;
 constexpr int64_t kKeyBlock = 64;                  // keys per score tile
@@ -172,22 +174,6 @@ LLMSERVE_AVX512 void store_rows(const Problem& pb, int64_t hq, int64_t t0, int64
   }
 }
 
-// 2^x for x <= 0 (or -inf, which gives exactly 0), within 2 ulp: x = n + f, |f| <= 1/2, 2^f by a degree-5
-// polynomial (least squares on [-1/2, 1/2]), scaled by 2^n. Below 2^-126 it is 0.
-LLMSERVE_AVX512 inline __m512 exp2_nonpositive(__m512 x) {
-  const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.f), _CMP_GE_OQ);
-  x = _mm512_max_ps(x, _mm512_set1_ps(-126.f));
-  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(x, n);
-  __m512 p = _mm512_set1_ps(1.32187e-3f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.67170e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550893e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022238e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314686e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  return _mm512_maskz_scalef_ps(live, p, n);
-}
-
 // Per thread: a task's running state.
 struct TaskState {
   std::vector<float> o;      // [kQueryBlock][Dv] fp32 output accumulators
@@ -258,9 +244,7 @@ LLMSERVE_AVX512_BF16 void run_task(const Problem& pb, int64_t hq, int64_t t0, in
       for (int m = 0; m < kRows; ++m) {
         __m512 peak = minus_inf;
         for (int v = 0; v < kKeyVecs; ++v) {
-          const int64_t left = seen[m] - v * kLanes;
-          const __mmask16 keep = left >= kLanes ? __mmask16(0xFFFF) : left <= 0 ? __mmask16(0) : __mmask16((1u << left) - 1);
-          s[m][v] = _mm512_mask_mul_ps(minus_inf, keep, s[m][v], scale2);
+          s[m][v] = _mm512_mask_mul_ps(minus_inf, first_lanes(seen[m] - v * kLanes), s[m][v], scale2);
           peak = _mm512_max_ps(peak, s[m][v]);
         }
         float& row_max = st.max[r0 + m];
@@ -377,10 +361,8 @@ LLMSERVE_AVX512 void mask_hidden_keys(float (&scores)[kAmxRows][kKeyBlock], int6
   for (int64_t m = 0; m < kAmxRows; ++m) {
     const int64_t seen = std::clamp<int64_t>(first_row_sees + std::min(m, rows - 1), 0, kKeyBlock);
     for (int v = 0; v < kKeyVecs; ++v) {
-      const int64_t left = seen - v * kLanes;
-      if (left >= kLanes) continue;
-      const __mmask16 hide = left <= 0 ? __mmask16(0xFFFF) : __mmask16(~((1u << left) - 1));
-      _mm512_mask_storeu_ps(scores[m] + v * kLanes, hide, minus_inf);
+      const __mmask16 hide = static_cast<__mmask16>(~first_lanes(seen - v * kLanes));
+      if (hide != 0) _mm512_mask_storeu_ps(scores[m] + v * kLanes, hide, minus_inf);
     }
   }
 }

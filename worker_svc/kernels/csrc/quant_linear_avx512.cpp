@@ -57,6 +57,7 @@ namespace {
 using llmserve::cpu_has_avx512;
 using llmserve::cpu_has_avx512_bf16;
 using llmserve::dot_bf16;
+using llmserve::first_lanes;
 using llmserve::to_bf16;
 
 constexpr int64_t kOut = 16;      // outputs per group: one zmm of fp32 sums
@@ -102,10 +103,6 @@ LLMSERVE_AVX512 inline void store16(void* p, int64_t index, __m512 v, Kind kind,
       _mm256_mask_storeu_epi16(static_cast<uint16_t*>(p) + index, mask,
                                _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   }
-}
-
-inline __mmask16 mask_for(int64_t left) {
-  return left >= kOut ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
 }
 
 // Row of K activations (any of the three dtypes) -> fp32 in dst[0 .. K), zeros in dst[K .. Kp).
@@ -207,7 +204,7 @@ LLMSERVE_AVX512 void i8_tile_f32(const float* x, int64_t ldx, const int8_t* w, i
   for (int v = 0; v < NV && v * kOut < valid; ++v) {
     const __m512 s = _mm512_loadu_ps(scale + v * kOut);
     for (int m = 0; m < MR; ++m)
-      store_out(o, row + m, n0 + v * kOut, _mm512_mul_ps(fold_pairs(lo[m][v], hi[m][v]), s), mask_for(valid - v * kOut));
+      store_out(o, row + m, n0 + v * kOut, _mm512_mul_ps(fold_pairs(lo[m][v], hi[m][v]), s), first_lanes(valid - v * kOut));
   }
 }
 
@@ -247,7 +244,7 @@ LLMSERVE_AVX512_BF16 void i8_panel_tile(const uint32_t* x, int64_t ldx, const ui
   for (int v = 0; v < NV && v * kOut < valid; ++v) {
     const __m512 s = _mm512_loadu_ps(scale + v * kOut);
     for (int m = 0; m < MR; ++m)
-      store_out(o, row + m, n0 + v * kOut, _mm512_mul_ps(acc[m][v], s), mask_for(valid - v * kOut));
+      store_out(o, row + m, n0 + v * kOut, _mm512_mul_ps(acc[m][v], s), first_lanes(valid - v * kOut));
   }
 }
 
@@ -305,7 +302,7 @@ template <int MR, int NV>
 LLMSERVE_AVX512 inline void i4_store(__m512 (&total)[MR][NV], OutView o, int64_t row, int64_t n0, int64_t valid) {
   for (int v = 0; v < NV && v * kOut < valid; ++v)
     for (int m = 0; m < MR; ++m)
-      store_out(o, row + m, n0 + v * kOut, total[m][v], mask_for(valid - v * kOut));
+      store_out(o, row + m, n0 + v * kOut, total[m][v], first_lanes(valid - v * kOut));
 }
 
 // x fp32 [MR, ldx].
@@ -452,7 +449,7 @@ LLMSERVE_AMX void i4_amx_groups(int64_t begin, int64_t end, const Int4Args& args
     for (int64_t row = 0; row < M; ++row)
       for (int j = 0; j < nb; ++j) {
         const int64_t col = (g + j) * kOut;
-        if (col < n) store_out(o, row, col, _mm512_loadu_ps(total + row * 2 * kOut + j * kOut), mask_for(n - col));
+        if (col < n) store_out(o, row, col, _mm512_loadu_ps(total + row * 2 * kOut + j * kOut), first_lanes(n - col));
       }
   }
   _tile_release();
@@ -506,7 +503,7 @@ LLMSERVE_AMX void i8_amx_store(const float* c, int mb, int nb, int64_t r, int64_
     for (int i = 0; i < mb; ++i)
       for (int64_t m = 0; m < llmserve::kAmxTileRows && r + i * llmserve::kAmxTileRows + m < M; ++m)
         store_out(o, r + i * llmserve::kAmxTileRows + m, col,
-                  _mm512_mul_ps(_mm512_load_ps(c + (i * 2 + j) * kTileFloats + m * kOut), s), mask_for(n - col));
+                  _mm512_mul_ps(_mm512_load_ps(c + (i * 2 + j) * kTileFloats + m * kOut), s), first_lanes(n - col));
   }
 }
 
