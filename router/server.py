@@ -111,6 +111,9 @@ class RouterOptions:
     # Where generated ids become text: in this process with the tokenizer service's tokenizer
     # (fetched once), or on the tokenizer service (a DetokenizeStream call per request).
     detokenize: Literal["router", "service"] = "router"
+    # Carry each worker's requests on one llmserve.v1.WorkerStream when it serves one (a step's tokens
+    # in one message, router/worker_stream.py); off: one SglangScheduler.Generate call per request.
+    worker_stream: bool = True
 
 
 # ---- one request ---------------------------------------------------------------------------------
@@ -340,7 +343,7 @@ class _Run:
         metadata = ((REQUEST_ID_HEADER, self.engine_id), (CLIENT_REQUEST_ID_HEADER, plan.request_id))
         g.in_flight += 1
         router.runs.add(self)
-        call = g.stub.Generate(self.worker_request, metadata=metadata, timeout=plan.remaining())
+        call = g.generate(self.worker_request, metadata, plan.remaining(), plan.request_id)
         sent = False  # anything yielded to the client yet
         clean = False
         abort_on_worker = False
@@ -515,6 +518,7 @@ class RouterServicer:
                 health_every=options.health_every,
                 probe_timeout=options.probe_timeout,
                 prefix_tokens=options.prefix_tokens,
+                worker_stream=options.worker_stream,
             ),
             on_change=self._update_health,
             security=options.internal_security,

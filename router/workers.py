@@ -43,6 +43,7 @@ from llmserve.message_limits import message_size_options
 from llmserve.security import ChannelSecurity
 from llmserve.v1 import router_pb2 as pb
 from router.kv_index import KvMirror, follow, matched_tokens
+from router.worker_stream import WorkerCall, WorkerStream
 
 log = get_logger(__name__)
 
@@ -76,6 +77,15 @@ class WorkerGroup:
     model_info: spb.GetModelInfoResponse | None = None
     probes: int = 0
     kv: KvMirror | None = None  # its prefix cache, with the prefix policy
+    # Its WorkerStream, once a probe found that the leader serves one (and the router uses them).
+    stream: WorkerStream | None = None
+
+    def generate(self, request: spb.GenerateRequest, metadata: Sequence[tuple[str, str]], timeout: float | None,
+                 client_request_id: str) -> WorkerCall:
+        """Start a Generate call on the group: on its WorkerStream if it has one, else a call of its own."""
+        if self.stream is not None and self.stream.usable:
+            return self.stream.generate(request, client_request_id, timeout)
+        return self.stub.Generate(request, metadata=metadata, timeout=timeout)
 
     def estimated_requests(self) -> int:
         if self.load is None:
@@ -119,6 +129,8 @@ class PoolOptions:
     probe_timeout: float = 5.0
     prefix_tokens: int = 32
     prefix_balance_abs: int = 16
+    # Carry a group's requests on one WorkerStream when its leader serves it (router/worker_stream.py).
+    worker_stream: bool = True
 
 
 def _split_load(resp: spb.GetLoadsResponse) -> spb.SchedulerLoad:
@@ -177,6 +189,8 @@ class WorkerPool:
         if self._background:  # Aborts in flight (e.g. of streams ended by shutdown) get delivered
             await asyncio.wait(list(self._background), timeout=self.options.probe_timeout)
         for g in self.groups:
+            if g.stream is not None:
+                await g.stream.close()
             await g.channel.close()
 
     # ---- probing ---------------------------------------------------------------------------------
@@ -204,6 +218,8 @@ class WorkerPool:
                 if not check.healthy:
                     self.mark(g, NOT_SERVING, f"HealthCheck: {check.message or 'unhealthy'}")
                     return
+            if g.health != SERVING and self.options.worker_stream:  # (again) after a restart, say
+                await self._find_stream(g, timeout)
         except grpc.aio.AioRpcError as exc:
             self.mark(g, NOT_SERVING, f"probe failed: {exc.code().name}: {exc.details()}")
             return
@@ -216,6 +232,24 @@ class WorkerPool:
         g.probes += 1
         if full or g.health != SERVING:
             self.mark(g, SERVING, "ok")
+
+    async def _find_stream(self, g: WorkerGroup, timeout: float) -> None:
+        """Whether the group's leader serves WorkerStream, as its GetServerInfo says (a worker that
+        does not answer it, another project's say, gets a call per request)."""
+        try:
+            info = await g.stub.GetServerInfo(spb.GetServerInfoRequest(), timeout=timeout)
+        except grpc.aio.AioRpcError as exc:
+            log.info("no worker stream: GetServerInfo failed", group=g.index, code=exc.code().name)
+            return
+        served = info.scheduler_info.fields.get("worker_stream")
+        if served is not None and served.bool_value:
+            if g.stream is None or not g.stream.usable:
+                g.stream = WorkerStream(g.channel, f"{g.index}@{g.address}")
+                log.info("requests go on the worker stream", group=g.index, address=g.address)
+        elif g.stream is not None:
+            await g.stream.close()
+            g.stream = None
+            log.info("worker serves no worker stream: one call per request", group=g.index, address=g.address)
 
     def mark(self, g: WorkerGroup, health: pb.WorkerHealth, reason: str) -> None:
         changed = g.health != health

@@ -138,6 +138,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "(default), or on the tokenizer service, one DetokenizeStream call per request",
     )
     p.add_argument(
+        "--disable-worker-stream",
+        action="store_true",
+        help="one SglangScheduler.Generate call per request even to workers that serve llmserve.v1.WorkerStream "
+        "(by default a worker's requests share one stream, and an engine step's tokens come in one message)",
+    )
+    p.add_argument(
         "--served-model-name", default=None, help="model name clients may send (default: what the workers report)"
     )
     p.add_argument(
@@ -204,6 +210,7 @@ def _run(args: argparse.Namespace) -> int:
         log_prompts=args.log_prompts,
         internal_security=internal,
         detokenize=args.detokenize,
+        worker_stream=not args.disable_worker_stream,
     )
     metrics = RouterMetrics.create(MetricsConfig(args.host, args.metrics_port)) if args.metrics_port else None
     try:

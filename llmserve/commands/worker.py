@@ -214,6 +214,7 @@ def worker_options(args: argparse.Namespace) -> WorkerOptions:
         step_stall_timeout_s=args.step_stall_timeout,
         max_queued_requests=args.max_queued_requests,
         kv_events=KvEventsOptions(block_size=args.kv_events_block_size),
+        worker_stream=not args.disable_worker_stream,
     )
 
 
@@ -330,6 +331,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         metavar="N",
         help="tokens per block in the KV cache events of SubscribeKvEvents (what smg's cache_aware policy "
         "and the router's prefix policy route by); the KV pool's page stays 1 token (default 16)",
+    )
+    g.add_argument(
+        "--disable-worker-stream",
+        action="store_true",
+        help="do not serve llmserve.v1.WorkerStream, on which the router carries all its requests to this worker "
+        "in one call (a step's tokens in one message); the router then makes one Generate call per request",
     )
     g.add_argument("--debug-step-delay", type=float, default=0.0, metavar="S", help=argparse.SUPPRESS)
     g.add_argument("--log-json", action="store_true", help="JSON log lines")

@@ -1,5 +1,6 @@
-"""The model worker's grpc.aio server: the engine loop, the SglangScheduler servicer (servicer.py) and
-grpc.health.v1 (health.py) on one port; and a thread that runs one (tests, tools)."""
+"""The model worker's grpc.aio server: the engine loop, the SglangScheduler servicer (servicer.py), the
+router's multiplexed WorkerStream (worker_stream.py) and grpc.health.v1 (health.py) on one port; and a
+thread that runs one (tests, tools)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from worker_svc.engine.engine import Engine
 from worker_svc.engine.engine_loop import EngineLoop
 from worker_svc.server.health import WorkerHealth
 from worker_svc.server.servicer import SERVICE_NAME, SchedulerServicer, WorkerOptions, add_scheduler_servicer
+from worker_svc.server.worker_stream import WorkerStreamServicer, add_worker_stream_servicer
 
 if TYPE_CHECKING:
     from llmserve.metrics import WorkerMetrics
@@ -76,6 +78,9 @@ class WorkerServer:
         )
         self.health = WorkerHealth(self.servicer.liveness)
         add_scheduler_servicer(self.servicer, self.server)
+        if self.options.worker_stream:
+            grpc_metrics = self.metrics.grpc if self.metrics is not None else None
+            add_worker_stream_servicer(WorkerStreamServicer(self.servicer, grpc_metrics), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.port = listen(self.server, self.host, self.requested_port, self.security.tls)
         if self.metrics is not None:

@@ -3,7 +3,9 @@ grpc.health.v1: worker_svc/server/app.py).
 
 A thin servicer on grpc.aio. Each Generate call converts its request (convert.py), submits one
 engine request per sample to the :class:`~worker_svc.engine.engine_loop.EngineLoop` and relays the step
-outputs that the engine thread pushes onto the call's asyncio queue. When the call ends for any
+outputs that the engine thread pushes onto the call's asyncio queue. ``generate`` is that call apart
+from its transport: SglangScheduler.Generate runs it for one gRPC call, and the router's WorkerStream
+(worker_stream.py) for each of the calls it carries. When the call ends for any
 reason (client cancel, deadline, the consumer going away, an error) every engine request it still
 has in flight is aborted, so KV slots are freed.
 
@@ -28,7 +30,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 import structlog
@@ -79,6 +81,44 @@ class WorkerOptions:
     # (--max-queued-requests).
     max_queued_requests: int = 1024
     kv_events: KvEventsOptions = KvEventsOptions()  # SubscribeKvEvents (worker_svc/server/kv_events.py)
+    # Serve llmserve.v1.WorkerStream beside SglangScheduler (worker_svc/server/worker_stream.py), and say
+    # so in GetServerInfo; off (--disable-worker-stream): the router makes one Generate call per request.
+    worker_stream: bool = True
+
+
+class GenerateRefused(Exception):
+    """How a Generate call fails: the status its caller gets."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class CallSide(Protocol):
+    """What a Generate call needs from the transport carrying it."""
+
+    def end_reason(self) -> str:
+        """Why the call ended before its samples did (logged with the aborted engine requests)."""
+        ...
+
+    def on_done(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` once the transport's call is over, however it ended."""
+        ...
+
+
+class _RpcSide:
+    """A SglangScheduler.Generate call's side: its gRPC context."""
+
+    def __init__(self, servicer: SchedulerServicer, context: grpc.aio.ServicerContext) -> None:
+        self._servicer = servicer
+        self._context = context
+
+    def end_reason(self) -> str:
+        return self._servicer.end_reason(self._context.time_remaining())
+
+    def on_done(self, fn: Callable[[], None]) -> None:
+        self._context.add_done_callback(lambda _: fn())
 
 
 def _sink(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, tag: Any) -> Callable[[Any], None]:
@@ -200,15 +240,25 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
     # ---- generate --------------------------------------------------------------------------------
 
     async def Generate(self, request: pb.GenerateRequest, context) -> AsyncIterator[pb.GenerateResponse]:  # noqa: N802
-        header_id = metadata_value(context, REQUEST_ID_HEADER)
+        side = _RpcSide(self, context)
+        try:
+            async for response in self.generate(request, metadata_value(context, REQUEST_ID_HEADER),
+                                                metadata_value(context, CLIENT_REQUEST_ID_HEADER), side):
+                yield response
+        except GenerateRefused as exc:
+            await context.abort(exc.code, exc.message)
+
+    async def generate(self, request: pb.GenerateRequest, header_id: str, client_id: str,
+                       side: CallSide) -> AsyncIterator[pb.GenerateResponse]:
+        """One Generate call, whatever carries it (a SglangScheduler call, or one call of a WorkerStream:
+        worker_svc/server/worker_stream.py). Yields its responses; raises GenerateRefused for the status
+        it fails with. Run it in a task of its own (it binds the call's ids to the task's log context)."""
         request_id = request.request_id or header_id or f"gen-{uuid.uuid4().hex}"
-        # Each RPC runs in its own asyncio task, so these bindings stay with this call.
         structlog.contextvars.clear_contextvars()
         structlog.contextvars.bind_contextvars(request_id=request_id)
         if header_id and header_id != request_id:
             structlog.contextvars.bind_contextvars(x_request_id=header_id)
-        client_id = metadata_value(context, CLIENT_REQUEST_ID_HEADER)  # the router's label for the client's call
-        if client_id:
+        if client_id:  # the router's label for the client's call
             structlog.contextvars.bind_contextvars(client_request_id=client_id[:256])
         self.last_receive_time = time.time()
         received = time.monotonic()
@@ -223,7 +273,7 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
         ok, reason = self.liveness()
         if not ok or self.loop.state is not LoopState.RUNNING:
             why = reason if not ok else "shutting down"
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"worker is not serving: {why}")
+            raise GenerateRefused(grpc.StatusCode.UNAVAILABLE, f"worker is not serving: {why}")
         try:
             spec = grpc_convert.generate_spec(
                 request, max_seq_len=self.max_seq_len, max_n=self.engine.config.max_running_requests
@@ -233,12 +283,12 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
             code = grpc.StatusCode.RESOURCE_EXHAUSTED if exc.resource else grpc.StatusCode.INVALID_ARGUMENT
             message = grpc_convert.error_message(exc)
             log.info("request rejected", code=code.name, field=exc.field, error=message)
-            await context.abort(code, message)
+            raise GenerateRefused(code, message) from None
 
         refusal = self._queue_refusal(spec.n)
         if refusal is not None:
             log.info("request rejected", code="RESOURCE_EXHAUSTED", field="max_queued_requests", error=refusal)
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
+            raise GenerateRefused(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
 
         aio_loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
@@ -253,8 +303,8 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
                 ending = "not accepted"
                 if isinstance(exc, RequestError):
                     code = grpc.StatusCode.RESOURCE_EXHAUSTED if exc.resource else grpc.StatusCode.INVALID_ARGUMENT
-                    await context.abort(code, grpc_convert.error_message(exc))
-                await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+                    raise GenerateRefused(code, grpc_convert.error_message(exc)) from None
+                raise GenerateRefused(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
             log.info(
                 "generate accepted",
                 prompt_tokens=len(spec.prompt_ids),
@@ -268,8 +318,7 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
             # callback covers a consumer that stops iterating while we sit at a yield.
             # The callback runs outside this task: it logs with the call's bindings (request ids).
             bindings = contextvars.copy_context()
-            context.add_done_callback(
-                lambda _: bindings.run(call.end_early, self.loop, self._end_reason(context)))
+            side.on_done(lambda: bindings.run(call.end_early, self.loop, side.end_reason()))
             with_logprobs = spec.params[0].return_logprob
             remaining = spec.n
             while remaining:
@@ -277,7 +326,7 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
                 if isinstance(item, EngineUnavailable):
                     ending = "engine unavailable"
                     log.error("request failed: engine unavailable", error=str(item))
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, str(item))
+                    raise GenerateRefused(grpc.StatusCode.UNAVAILABLE, str(item))
                 out: StepOutput = item
                 state = call.states[index]
                 state.add(out)
@@ -286,7 +335,7 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
                 if out.error:
                     ending = f"sample {index} failed"
                     log.error("request failed", index=index, rid=state.rid, error=out.error)
-                    await context.abort(grpc.StatusCode.INTERNAL, out.error)
+                    raise GenerateRefused(grpc.StatusCode.INTERNAL, out.error)
                 if out.new_token_ids and call.first_token_at is None:
                     call.first_token_at = time.monotonic()
                     log.debug("first token", ttft_s=round(call.first_token_at - received, 4))
@@ -296,7 +345,7 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
                     remaining -= 1
                     yield grpc_convert.complete_response(request_id, state, with_logprobs)
         except (asyncio.CancelledError, GeneratorExit):
-            ending = self._end_reason(context)
+            ending = side.end_reason()
             log.info("generate cancelled", reason=ending)
             raise
         finally:
@@ -315,13 +364,13 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
                 f"request's {n} more than {limit} would wait (--max-queued-requests {limit}); retry later or on "
                 "another worker")
 
-    def _end_reason(self, context: grpc.aio.ServicerContext) -> str:
-        """Why a call ended before its samples did: the worker stopping, the deadline, or the client."""
+    def end_reason(self, time_remaining: float | None = None) -> str:
+        """Why a call ended before its samples did: the worker stopping, the deadline (``time_remaining``:
+        of the call's deadline, if it has one), or the client."""
         if self.loop.state is not LoopState.RUNNING:
             return "worker shutdown"
-        left = context.time_remaining()
         # The client's own deadline timer fires a little before the server's copy of the deadline.
-        if left is not None and left < _DEADLINE_SLACK_S:
+        if time_remaining is not None and time_remaining < _DEADLINE_SLACK_S:
             return "deadline"
         return "client cancel"
 
@@ -426,6 +475,7 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
             "page_size": 1,
             "radix_cache": self.engine.scheduler.cache is not None,
             "radix_cache_tokens": self.loop.load().cached_tokens,  # as of the last step
+            "worker_stream": self.options.worker_stream,
         }
 
     async def GetServerInfo(self, request, context) -> pb.GetServerInfoResponse:  # noqa: N802
