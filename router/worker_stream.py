@@ -29,6 +29,10 @@ log = get_logger(__name__)
 
 # One message of opened calls stays under this (the channel's limit is 64 MiB; a prompt is far less).
 _MAX_BATCH_BYTES = 8 << 20
+# Response messages the worker may have on the way at once (WorkerStreamRequest.credit); what its calls
+# make beyond that waits there and is merged (a call's first response excepted). Four steps' worth: the
+# router keeps up with a busy worker without merging, and one that falls behind is at most four behind.
+CREDIT = 4
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 _END = object()
 
@@ -121,6 +125,7 @@ class _Session:
         self._calls: dict[int, StreamedCall] = {}
         self._opens: list[wpb.CallOpen] = []
         self._cancels: list[wpb.CallCancel] = []
+        self._credit = CREDIT  # to grant with the next message
         self._wake = asyncio.Event()
         self.closed = False
         self.unsupported = False
@@ -146,13 +151,13 @@ class _Session:
     async def _write(self) -> None:
         try:
             while True:
-                if not self._opens and not self._cancels:
+                if not self._opens and not self._cancels and not self._credit:
                     self._wake.clear()
                     await self._wake.wait()
                     await asyncio.sleep(0)  # let the calls opened in this turn of the loop join the message
                     continue
-                message = wpb.WorkerStreamRequest(cancel=self._cancels)
-                self._cancels = []
+                message = wpb.WorkerStreamRequest(cancel=self._cancels, credit=self._credit)
+                self._cancels, self._credit = [], 0
                 size = 0
                 taken = 0
                 for item in self._opens:
@@ -174,6 +179,11 @@ class _Session:
                     call = self._calls.get(item.call)
                     if call is not None:
                         call.deliver(item)
+                # The relays this message woke run before the next credit goes out: a router that is
+                # behind takes larger messages, not a backlog.
+                await asyncio.sleep(0)
+                self._credit += 1
+                self._wake.set()
         except grpc.aio.AioRpcError as exc:
             error = exc
             if exc.code() is grpc.StatusCode.UNIMPLEMENTED:  # a worker without it (replaced, say)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fllmserve/v1/worker_stream.proto\x12\x0bllmserve.v1\"c\n\x13WorkerStreamRequest\x12#\n\x04open\x18\x01 \x03(\x0b\x32\x15.llmserve.v1.CallOpen\x12\'\n\x06\x63\x61ncel\x18\x02 \x03(\x0b\x32\x17.llmserve.v1.CallCancel\"M\n\x08\x43\x61llOpen\x12\x0c\n\x04\x63\x61ll\x18\x01 \x01(\x04\x12\x18\n\x10generate_request\x18\x02 \x01(\x0c\x12\x19\n\x11\x63lient_request_id\x18\x03 \x01(\t\"*\n\nCallCancel\x12\x0c\n\x04\x63\x61ll\x18\x01 \x01(\x04\x12\x0e\n\x06reason\x18\x02 \x01(\t\"<\n\x14WorkerStreamResponse\x12$\n\x05items\x18\x01 \x03(\x0b\x32\x15.llmserve.v1.CallItem\"b\n\x08\x43\x61llItem\x12\x0c\n\x04\x63\x61ll\x18\x01 \x01(\x04\x12\x1b\n\x11generate_response\x18\x02 \x01(\x0cH\x00\x12#\n\x03\x65nd\x18\x03 \x01(\x0b\x32\x14.llmserve.v1.CallEndH\x00\x42\x06\n\x04item\"(\n\x07\x43\x61llEnd\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t2g\n\x0cWorkerStream\x12W\n\x0cGenerateMany\x12 .llmserve.v1.WorkerStreamRequest\x1a!.llmserve.v1.WorkerStreamResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fllmserve/v1/worker_stream.proto\x12\x0bllmserve.v1\"s\n\x13WorkerStreamRequest\x12#\n\x04open\x18\x01 \x03(\x0b\x32\x15.llmserve.v1.CallOpen\x12\'\n\x06\x63\x61ncel\x18\x02 \x03(\x0b\x32\x17.llmserve.v1.CallCancel\x12\x0e\n\x06\x63redit\x18\x03 \x01(\r\"M\n\x08\x43\x61llOpen\x12\x0c\n\x04\x63\x61ll\x18\x01 \x01(\x04\x12\x18\n\x10generate_request\x18\x02 \x01(\x0c\x12\x19\n\x11\x63lient_request_id\x18\x03 \x01(\t\"*\n\nCallCancel\x12\x0c\n\x04\x63\x61ll\x18\x01 \x01(\x04\x12\x0e\n\x06reason\x18\x02 \x01(\t\"<\n\x14WorkerStreamResponse\x12$\n\x05items\x18\x01 \x03(\x0b\x32\x15.llmserve.v1.CallItem\"b\n\x08\x43\x61llItem\x12\x0c\n\x04\x63\x61ll\x18\x01 \x01(\x04\x12\x1b\n\x11generate_response\x18\x02 \x01(\x0cH\x00\x12#\n\x03\x65nd\x18\x03 \x01(\x0b\x32\x14.llmserve.v1.CallEndH\x00\x42\x06\n\x04item\"(\n\x07\x43\x61llEnd\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t2g\n\x0cWorkerStream\x12W\n\x0cGenerateMany\x12 .llmserve.v1.WorkerStreamRequest\x1a!.llmserve.v1.WorkerStreamResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,17 +32,17 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'llmserve.v1.worker_stream_p
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_WORKERSTREAMREQUEST']._serialized_start=48
-  _globals['_WORKERSTREAMREQUEST']._serialized_end=147
-  _globals['_CALLOPEN']._serialized_start=149
-  _globals['_CALLOPEN']._serialized_end=226
-  _globals['_CALLCANCEL']._serialized_start=228
-  _globals['_CALLCANCEL']._serialized_end=270
-  _globals['_WORKERSTREAMRESPONSE']._serialized_start=272
-  _globals['_WORKERSTREAMRESPONSE']._serialized_end=332
-  _globals['_CALLITEM']._serialized_start=334
-  _globals['_CALLITEM']._serialized_end=432
-  _globals['_CALLEND']._serialized_start=434
-  _globals['_CALLEND']._serialized_end=474
-  _globals['_WORKERSTREAM']._serialized_start=476
-  _globals['_WORKERSTREAM']._serialized_end=579
+  _globals['_WORKERSTREAMREQUEST']._serialized_end=163
+  _globals['_CALLOPEN']._serialized_start=165
+  _globals['_CALLOPEN']._serialized_end=242
+  _globals['_CALLCANCEL']._serialized_start=244
+  _globals['_CALLCANCEL']._serialized_end=286
+  _globals['_WORKERSTREAMRESPONSE']._serialized_start=288
+  _globals['_WORKERSTREAMRESPONSE']._serialized_end=348
+  _globals['_CALLITEM']._serialized_start=350
+  _globals['_CALLITEM']._serialized_end=448
+  _globals['_CALLEND']._serialized_start=450
+  _globals['_CALLEND']._serialized_end=490
+  _globals['_WORKERSTREAM']._serialized_start=492
+  _globals['_WORKERSTREAM']._serialized_end=595
 # @@protoc_insertion_point(module_scope)

@@ -7,12 +7,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class WorkerStreamRequest(_message.Message):
-    __slots__ = ("open", "cancel")
+    __slots__ = ("open", "cancel", "credit")
     OPEN_FIELD_NUMBER: _ClassVar[int]
     CANCEL_FIELD_NUMBER: _ClassVar[int]
+    CREDIT_FIELD_NUMBER: _ClassVar[int]
     open: _containers.RepeatedCompositeFieldContainer[CallOpen]
     cancel: _containers.RepeatedCompositeFieldContainer[CallCancel]
-    def __init__(self, open: _Optional[_Iterable[_Union[CallOpen, _Mapping]]] = ..., cancel: _Optional[_Iterable[_Union[CallCancel, _Mapping]]] = ...) -> None: ...
+    credit: int
+    def __init__(self, open: _Optional[_Iterable[_Union[CallOpen, _Mapping]]] = ..., cancel: _Optional[_Iterable[_Union[CallCancel, _Mapping]]] = ..., credit: _Optional[int] = ...) -> None: ...
 
 class CallOpen(_message.Message):
     __slots__ = ("call", "generate_request", "client_request_id")

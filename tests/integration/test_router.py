@@ -256,7 +256,9 @@ def test_greedy_stream_equals_engine(client: RouterClient, tok: ModelTokenizer, 
         assert c.text == tok.decode(want, skip_special_tokens=True)
         assert c.finish.reason == "length" and c.finish.completion_tokens == 24
         assert c.finish.prompt_tokens == len(ids)
-        assert len(deltas) >= 24  # streamed, not one blob
+        # Streamed, not one blob: the first token comes alone. Later ones may come several to a delta when
+        # the router falls behind a worker's steps (the worker stream merges them, docs/router.md).
+        assert len(deltas[0].token_ids) == 1 and len(deltas) >= 3
         assert all(d.finish is None for d in deltas[:-1])
 
 

@@ -206,6 +206,31 @@ def chunk_response(request_id: str, index: int, out: StepOutput, with_logprobs: 
     return pb.GenerateResponse(request_id=request_id, chunk=chunk)
 
 
+def merge_chunks(responses: list[pb.GenerateResponse]) -> list[pb.GenerateResponse]:
+    """One call's responses with each run of consecutive chunks of the same sample merged into one chunk
+    of several tokens (what a client reading the stream would have seen in one message had the
+    engine made them in one step). Completes are kept as they are, in order."""
+    merged: list[pb.GenerateResponse] = []
+    for response in responses:
+        last = merged[-1] if merged else None
+        if (last is not None and response.WhichOneof("response") == "chunk" and last.WhichOneof("response") == "chunk"
+                and last.chunk.index == response.chunk.index and not response.chunk.HasField("input_logprobs")):
+            into, more = last.chunk, response.chunk
+            into.token_ids.extend(more.token_ids)
+            into.prompt_tokens, into.completion_tokens = more.prompt_tokens, more.completion_tokens
+            into.cached_tokens, into.reasoning_tokens = more.cached_tokens, more.reasoning_tokens
+            into.hidden_states.extend(more.hidden_states)
+            if more.HasField("output_logprobs"):
+                lp, more_lp = into.output_logprobs, more.output_logprobs
+                lp.token_logprobs.extend(more_lp.token_logprobs)
+                lp.token_ids.extend(more_lp.token_ids)
+                lp.top_logprobs.extend(more_lp.top_logprobs)
+                lp.token_ids_logprobs.extend(more_lp.token_ids_logprobs)
+            continue
+        merged.append(response)
+    return merged
+
+
 def complete_response(request_id: str, state: SampleState, with_logprobs: bool) -> pb.GenerateResponse:
     last = state.last
     assert last is not None and last.finish_reason is not None

@@ -4,7 +4,10 @@ The router opens one GenerateMany call per worker and carries all its requests o
 opens runs SchedulerServicer.generate in a task of its own, exactly as a SglangScheduler.Generate
 call does (same validation, statuses, logs and Abort by request_id); what differs is the transport:
 the calls' responses go into one outbox that a single writer sends as one message, so an engine step
-that produced a token for 64 requests costs one gRPC message instead of 64.
+that produced a token for 64 requests costs one gRPC message instead of 64. The writer sends only
+while the caller has granted credit (a call's first response excepted); what waits meanwhile goes out
+in the next message, each call's consecutive chunks merged, so a caller that falls behind gets fewer,
+larger messages rather than a backlog of stale ones.
 
 A call that the caller cancels (or whose deadline passed: the caller cancels it) aborts its engine
 requests; when the stream ends, every call still running on it is cancelled the same way. A worker
@@ -25,6 +28,7 @@ from smg_grpc_proto import sglang_scheduler_pb2 as spb
 from llmserve.grpc_wire import InvalidRequest, tolerant
 from llmserve.v1 import worker_stream_pb2 as wpb
 from worker_svc.engine.engine_loop import LoopState
+from worker_svc.server import convert as grpc_convert
 from worker_svc.server.servicer import GenerateRefused, SchedulerServicer
 
 if TYPE_CHECKING:
@@ -44,6 +48,7 @@ class _Call:
         self._servicer = servicer
         self.cancel_reason: str | None = None  # set when the caller (or the stream's end) cancelled it
         self.task: asyncio.Task | None = None
+        self.responded = False  # its first response is on its way
         self._on_done: list[Callable[[], None]] = []
 
     def end_reason(self) -> str:
@@ -75,7 +80,11 @@ class _Session:
         self._context = context
         self._metrics = metrics
         self._calls: dict[int, _Call] = {}
-        self._outbox: list[wpb.CallItem] = []
+        # What the calls produced since the last message: responses by call (in order), and ends.
+        self._responses: dict[int, list[spb.GenerateResponse]] = {}
+        self._ends: dict[int, wpb.CallEnd] = {}
+        self._credit = 0  # messages the caller will take (WorkerStreamRequest.credit)
+        self._firsts: set[int] = set()  # calls whose first response waits: it goes out credit or not
         self._wake = asyncio.Event()
         self._reading = True
         self._refusal: str | None = None  # a request message that did not parse: the stream fails
@@ -84,13 +93,17 @@ class _Session:
         reader = asyncio.ensure_future(self._read(requests))
         try:
             while True:
-                if self._outbox:
-                    items, self._outbox = self._outbox, []
-                    await self._context.write(wpb.WorkerStreamResponse(items=items))
+                # A first token is never held back (time to first token is what a client waits on); past
+                # the caller's half-close no credit comes, so what is left goes out regardless.
+                pending = self._responses or self._ends
+                if pending and (self._credit > 0 or self._firsts or not self._reading):
+                    self._credit -= 1
+                    await self._context.write(self._take())
                     continue
                 if self._refusal is not None:
                     await self._context.abort(grpc.StatusCode.INVALID_ARGUMENT, self._refusal)
-                if not self._calls and (not self._reading or self._servicer.loop.state is not LoopState.RUNNING):
+                idle = not self._calls and not self._responses and not self._ends
+                if idle and (not self._reading or self._servicer.loop.state is not LoopState.RUNNING):
                     return  # the caller is done, or this worker is stopping
                 self._wake.clear()
                 await self._wake.wait()
@@ -117,20 +130,46 @@ class _Session:
                     call = self._calls.get(cancel.call)
                     if call is not None:
                         call.cancel(cancel.reason or "client cancel")
+                if message.credit:
+                    self._credit += message.credit
+                    self._wake.set()
         finally:
             self._reading = False
             self._wake.set()
 
-    def _emit(self, item: wpb.CallItem) -> None:
-        self._outbox.append(item)
+    def _respond(self, call: _Call, response: spb.GenerateResponse) -> None:
+        if not call.responded:
+            call.responded = True
+            self._firsts.add(call.number)
+        self._responses.setdefault(call.number, []).append(response)
         self._wake.set()
 
     def _end(self, number: int, code: grpc.StatusCode, message: str = "") -> None:
-        self._emit(wpb.CallItem(call=number, end=wpb.CallEnd(code=code.value[0], message=message)))
+        self._ends[number] = wpb.CallEnd(code=code.value[0], message=message)
+        self._wake.set()
+
+    def _take(self) -> wpb.WorkerStreamResponse:
+        """Everything pending as one message: each call's chunks merged (its first apart), then its end."""
+        items = []
+        for number, responses in self._responses.items():
+            # A first token stays a message of its own (what a client times as its first token).
+            if number in self._firsts:
+                responses = [responses[0], *grpc_convert.merge_chunks(responses[1:])]
+            else:
+                responses = grpc_convert.merge_chunks(responses)
+            items += [wpb.CallItem(call=number, generate_response=r.SerializeToString()) for r in responses]
+            end = self._ends.pop(number, None)
+            if end is not None:
+                items.append(wpb.CallItem(call=number, end=end))
+        items += [wpb.CallItem(call=number, end=end) for number, end in self._ends.items()]
+        self._responses, self._ends = {}, {}
+        self._firsts.clear()
+        return wpb.WorkerStreamResponse(items=items)
 
     def _open(self, item: wpb.CallOpen) -> None:
-        if item.call in self._calls:
-            self._end(item.call, grpc.StatusCode.INVALID_ARGUMENT, f"call: {item.call} is already open on this stream")
+        if item.call in self._calls:  # the caller lost track: nothing it reads from here on is reliable
+            self._refusal = f"call: {item.call} is already open on this stream"
+            self._wake.set()
             return
         request = _parse_generate(item.generate_request)
         if isinstance(request, InvalidRequest):
@@ -151,7 +190,7 @@ class _Session:
         code, message = grpc.StatusCode.OK, ""
         try:
             async for response in self._servicer.generate(request, "", client_id, call):
-                self._emit(wpb.CallItem(call=call.number, generate_response=response.SerializeToString()))
+                self._respond(call, response)
         except GenerateRefused as exc:
             code, message = exc.code, exc.message
         except asyncio.CancelledError:
