@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +35,8 @@ from llmserve.v1 import router_pb2 as pb
 from llmserve.v1 import router_pb2_grpc as pb_grpc
 from llmserve.v1 import tokenizer_pb2 as tpb
 from llmserve.v1 import tokenizer_pb2_grpc as tpb_grpc
+from llmserve.v1 import worker_stream_pb2 as wpb
+from llmserve.v1 import worker_stream_pb2_grpc as wpb_grpc
 from router.client import AsyncRouterClient, RouterClient, collect
 from tests.certs import Pki, make_pki
 from tests.integration.conftest import worker_engine_config
@@ -105,6 +107,7 @@ class SecureCluster:
     tokenizer: str
     worker: str
     step_delay: list[float]  # seconds the worker sleeps before each forward step (a slow worker on demand)
+    on_worker_stream: Callable[[], bool]  # the router carries its requests on the worker's WorkerStream
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +150,8 @@ def cluster(tiny, pki, token_files, loop) -> Iterator[SecureCluster]:
             loop.run(asyncio.sleep(0.05))
         else:
             raise AssertionError("the secured router never became SERVING")
-    yield SecureCluster(address, f"127.0.0.1:{tok.port}", f"127.0.0.1:{worker.server.port}", step_delay)
+    yield SecureCluster(address, f"127.0.0.1:{tok.port}", f"127.0.0.1:{worker.server.port}", step_delay,
+                        lambda: router.servicer.pool.groups[0].stream is not None)
     loop.run(router.stop(0.5))
     worker.stop(grace=0.5)
     loop.run(tok.stop(0.5))
@@ -242,6 +246,7 @@ def test_router_clients_stream_over_tls_with_a_token(cluster, pki) -> None:
         (done,) = collect(client.generate("Once upon a time", max_new_tokens=5, temperature=0))
         assert done.finish.completion_tokens == 5
         assert client.tokenize("hello") and client.model_info().model
+    assert cluster.on_worker_stream()  # TLS and the internal token on the router's worker stream too
     with RouterClient(cluster.router, timeout=TIMEOUT, tls=tls) as anonymous:
         assert _code(lambda: anonymous.generate_text("hi", max_new_tokens=2)) == grpc.StatusCode.UNAUTHENTICATED
 
@@ -323,7 +328,12 @@ def test_worker_refuses_generate_and_abort_without_the_internal_token(cluster, p
                                                         metadata=metadata)),
                          # KV events name the token ids of cached prompts.
                          lambda: list(stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(), timeout=TIMEOUT,
-                                                             metadata=metadata))):
+                                                             metadata=metadata)),
+                         # The router's worker stream carries Generate calls.
+                         lambda: list(wpb_grpc.WorkerStreamStub(ch).GenerateMany(
+                             iter([wpb.WorkerStreamRequest(open=[wpb.CallOpen(
+                                 call=1, generate_request=request.SerializeToString())], credit=8)]),
+                             timeout=TIMEOUT, metadata=metadata))):
                 assert _code(call) == grpc.StatusCode.UNAUTHENTICATED
         # The probes a gateway makes stay open.
         assert stub.GetModelInfo(spb.GetModelInfoRequest(), timeout=TIMEOUT).served_model_name == "tiny-test"

@@ -193,8 +193,10 @@ class _Session:
                 self._respond(call, response)
         except GenerateRefused as exc:
             code, message = exc.code, exc.message
-        except asyncio.CancelledError:
-            code, message = grpc.StatusCode.CANCELLED, call.end_reason()
+        except asyncio.CancelledError:  # counted as a call of its own would be
+            timed_out = call.cancel_reason == "deadline"
+            code = grpc.StatusCode.DEADLINE_EXCEEDED if timed_out else grpc.StatusCode.CANCELLED
+            message = call.end_reason()
         except Exception as exc:  # noqa: BLE001 - a fault fails its own call, never the stream's others
             log.exception("generate call failed")
             code, message = grpc.StatusCode.INTERNAL, f"internal error: {exc!r}"
