@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -272,6 +273,37 @@ def test_a_stream_to_a_worker_that_goes_away_fails_its_calls_unavailable(worker_
                 while True:
                     await anext(call.__aiter__())
             assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
+            await stream.close()
+
+    _run(scenario())
+
+
+def test_a_worker_shutting_down_finishes_the_streams_calls_refuses_new_ones_and_ends_it(
+        worker_model, worker_process_factory) -> None:
+    worker = worker_process_factory(worker_model, "--debug-step-delay", "0.02", "--shutdown-grace", "20")
+
+    async def scenario() -> None:
+        async with grpc.aio.insecure_channel(worker.address) as channel:
+            stream = WorkerStream(channel, "test")
+            running = stream.generate(_request(_prompt(10, 5), max_new=40))  # ~1 s of steps
+            first = await anext(running.__aiter__())
+            assert first.WhichOneof("response") == "chunk"
+            started = time.monotonic()
+            worker.proc.send_signal(signal.SIGTERM)
+            await asyncio.sleep(0.3)
+            refused = stream.generate(_request(_prompt(6, 6), max_new=4))
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await _read(refused)
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE and "is stopping" in info.value.details()
+            ids = list(first.chunk.token_ids)
+            async for response in running:  # the call in flight runs to its end...
+                if response.WhichOneof("response") == "chunk":
+                    ids += response.chunk.token_ids
+                else:
+                    assert list(response.complete.output_ids) == ids and len(ids) == 40
+            # ...and then the worker ends the stream and exits, long before its 20 s grace.
+            assert await asyncio.to_thread(worker.proc.wait, 15) == 0
+            assert time.monotonic() - started < 10
             await stream.close()
 
     _run(scenario())
