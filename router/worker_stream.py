@@ -8,12 +8,14 @@ SglangScheduler.Generate call (WorkerCall below): its responses, then the end, o
 with the status the worker ended it with. Its deadline is kept here: when it passes the call fails
 with DEADLINE_EXCEEDED and the worker is told to cancel it. When the stream breaks, every call on it
 fails with the stream's status (UNAVAILABLE when the worker went away), and the next call opens a new
-stream.
+stream. The worker sends on credit (CREDIT messages ahead, one more for each message read here), so a
+router that falls behind gets larger messages rather than a backlog of stale ones.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import itertools
 from collections.abc import AsyncIterator
 from typing import Protocol
@@ -129,8 +131,10 @@ class _Session:
         self._wake = asyncio.Event()
         self.closed = False
         self.unsupported = False
-        self._reader = asyncio.ensure_future(self._read())
-        self._writer = asyncio.ensure_future(self._write())
+        # Opened on some request's behalf, but no request's: its tasks run without that request's log bindings.
+        loop = asyncio.get_running_loop()
+        self._reader = loop.create_task(self._read(), context=contextvars.Context())
+        self._writer = loop.create_task(self._write(), context=contextvars.Context())
 
     def open(self, number: int, request: spb.GenerateRequest, client_request_id: str,
              timeout: float | None) -> StreamedCall:

@@ -161,6 +161,36 @@ def test_a_bad_call_fails_alone_with_the_status_a_call_of_its_own_gets(inproc_wo
     _run(scenario())
 
 
+def test_the_stream_does_not_log_under_the_request_that_opened_it(inproc_worker, monkeypatch) -> None:
+    """The stream outlives the request whose call opened it: its reader and writer log without that
+    request's ids."""
+    import structlog
+
+    from router import worker_stream
+
+    seen: list[dict] = []
+    write = worker_stream._Session._write
+
+    async def spy(self) -> None:
+        seen.append(structlog.contextvars.get_contextvars())
+        await write(self)
+
+    monkeypatch.setattr(worker_stream._Session, "_write", spy)
+
+    async def scenario() -> None:
+        async with grpc.aio.insecure_channel(inproc_worker.address) as channel:
+            stream = WorkerStream(channel, "test")
+            structlog.contextvars.bind_contextvars(request_id="the-first-request")
+            try:
+                await _read(stream.generate(_request(_prompt(5, 9), max_new=2)))
+            finally:
+                structlog.contextvars.clear_contextvars()
+                await stream.close()
+
+    _run(scenario())
+    assert seen == [{}]
+
+
 @pytest.fixture(scope="module")
 def slow_worker(worker_model, tmp_path_factory):
     """A worker process whose steps take 20 ms or more: a long generation is still running when a test

@@ -118,7 +118,8 @@ class _RpcSide:
         return self._servicer.end_reason(self._context.time_remaining())
 
     def on_done(self, fn: Callable[[], None]) -> None:
-        self._context.add_done_callback(lambda _: fn())
+        # grpc-stubs type the callback as a class no function matches (its ServicerContext is generic).
+        self._context.add_done_callback(lambda _: fn())  # type: ignore[arg-type]
 
 
 def _sink(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, tag: Any) -> Callable[[Any], None]:

@@ -17,6 +17,7 @@ that is shutting down ends the stream once its last call has ended.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
@@ -178,9 +179,9 @@ class _Session:
         call = self._calls[item.call] = _Call(item.call, self._servicer)
         call.task = asyncio.ensure_future(self._serve(call, request, item.client_request_id))
         # Not in _serve's finally: a task cancelled before it started never runs its body.
-        call.task.add_done_callback(lambda _, call=call: self._forget(call))
+        call.task.add_done_callback(functools.partial(self._forget, call))
 
-    def _forget(self, call: _Call) -> None:
+    def _forget(self, call: _Call, _task: asyncio.Task) -> None:
         del self._calls[call.number]
         call.done()
         self._wake.set()
