@@ -26,7 +26,8 @@ if _version_not_supported:
 
 
 class WorkerStreamStub:
-    """Missing associated documentation comment in .proto file."""
+    """Generate calls of SglangScheduler, many on one stream (see the top of this file).
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -42,10 +43,13 @@ class WorkerStreamStub:
 
 
 class WorkerStreamServicer:
-    """Missing associated documentation comment in .proto file."""
+    """Generate calls of SglangScheduler, many on one stream (see the top of this file).
+    """
 
     def GenerateMany(self, request_iterator, context):
-        """Missing associated documentation comment in .proto file."""
+        """One per router and worker, open for as long as both are up: calls and cancels go up, the calls'
+        responses and ends come down.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -67,7 +71,8 @@ def add_WorkerStreamServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class WorkerStream:
-    """Missing associated documentation comment in .proto file."""
+    """Generate calls of SglangScheduler, many on one stream (see the top of this file).
+    """
 
     @staticmethod
     def GenerateMany(request_iterator,
