@@ -2,6 +2,8 @@
 tensor-parallel follower's health server.
 
 * ``listen``: bind host:port (TLS or plaintext, warning when plaintext leaves loopback);
+* ``add_service``: register a service's method handlers (ours are built by hand, with tolerant
+  deserializers, instead of the generated add_..._to_server);
 * ``grpc_address``: host:port as gRPC and the command lines write it (IPv6 bracketed);
 * ``metadata_value``, ``REQUEST_ID_HEADER``, ``CLIENT_REQUEST_ID_HEADER``: the request-id metadata that
   links one client call's log lines across the services;
@@ -62,6 +64,13 @@ def listen(server: grpc.aio.Server, host: str, port: int, tls: ServerTls | None 
     if not bound:
         raise OSError(f"cannot listen on {address}")
     return bound
+
+
+def add_service(server: grpc.aio.Server, service_name: str, handlers: dict[str, grpc.RpcMethodHandler]) -> None:
+    """Register ``handlers`` (method name -> handler) as ``service_name``, as the generated
+    add_..._to_server does."""
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service_name, handlers),))
+    server.add_registered_method_handlers(service_name, handlers)
 
 
 def metadata_value(context: grpc.aio.ServicerContext, key: str) -> str:

@@ -43,6 +43,7 @@ from llmserve.grpc_server import (
     CLIENT_REQUEST_ID_HEADER,
     REQUEST_ID_HEADER,
     ServiceHealth,
+    add_service,
     grpc_address,
     listen,
     metadata_value,
@@ -1096,9 +1097,7 @@ async def start_router(
     health_servicer = ServiceHealth(SERVICE_NAME)
     await health_servicer.set_serving(False)
     servicer = RouterServicer(options, health_servicer, metrics)
-    handlers = servicer.handlers()
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
-    server.add_registered_method_handlers(SERVICE_NAME, handlers)
+    add_service(server, SERVICE_NAME, servicer.handlers())
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, "grpc.health.v1.Health", reflection.SERVICE_NAME), server)
     bound = listen(server, host, port, security.tls)

@@ -165,9 +165,9 @@ class _Session:
                 size = 0
                 taken = 0
                 for item in self._opens:
-                    if taken and size + item.ByteSize() > _MAX_BATCH_BYTES:
-                        break
                     size += item.ByteSize()
+                    if taken and size > _MAX_BATCH_BYTES:
+                        break
                     taken += 1
                 message.open.extend(self._opens[:taken])
                 del self._opens[:taken]

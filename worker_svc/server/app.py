@@ -14,14 +14,14 @@ import grpc
 import structlog
 from grpc_health.v1 import health_pb2_grpc
 
-from llmserve.grpc_server import grpc_address, listen
+from llmserve.grpc_server import add_service, grpc_address, listen
 from llmserve.message_limits import message_size_options
 from llmserve.security import HEALTH_METHODS, ServerSecurity
 from worker_svc.engine.engine import Engine
 from worker_svc.engine.engine_loop import EngineLoop
+from worker_svc.server import worker_stream
 from worker_svc.server.health import WorkerHealth
-from worker_svc.server.servicer import SERVICE_NAME, SchedulerServicer, WorkerOptions, add_scheduler_servicer
-from worker_svc.server.worker_stream import WorkerStreamServicer, add_worker_stream_servicer
+from worker_svc.server.servicer import SERVICE_NAME, SchedulerServicer, WorkerOptions
 
 if TYPE_CHECKING:
     from llmserve.metrics import WorkerMetrics
@@ -77,10 +77,11 @@ class WorkerServer:
             interceptors=[*counting, *self.security.interceptors(self.OPEN_METHODS, realm="worker")],
         )
         self.health = WorkerHealth(self.servicer.liveness)
-        add_scheduler_servicer(self.servicer, self.server)
+        add_service(self.server, SERVICE_NAME, self.servicer.handlers())
         if self.options.worker_stream:
             grpc_metrics = self.metrics.grpc if self.metrics is not None else None
-            add_worker_stream_servicer(WorkerStreamServicer(self.servicer, grpc_metrics), self.server)
+            stream = worker_stream.WorkerStreamServicer(self.servicer, grpc_metrics)
+            add_service(self.server, worker_stream.SERVICE_NAME, stream.handlers())
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.port = listen(self.server, self.host, self.requested_port, self.security.tls)
         if self.metrics is not None:

@@ -158,13 +158,6 @@ def _refuse_invalid_stream(fn: Callable) -> Callable:
     return handle
 
 
-def add_scheduler_servicer(servicer: SchedulerServicer, server: grpc.aio.Server) -> None:
-    """Register SglangScheduler like the generated add_..._to_server, with tolerant deserializers."""
-    handlers = servicer.handlers()
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
-    server.add_registered_method_handlers(SERVICE_NAME, handlers)
-
-
 class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
     def __init__(self, loop: EngineLoop, options: WorkerOptions) -> None:
         self.loop = loop

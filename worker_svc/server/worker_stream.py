@@ -103,8 +103,8 @@ class _Session:
                     continue
                 if self._refusal is not None:
                     await self._context.abort(grpc.StatusCode.INVALID_ARGUMENT, self._refusal)
-                idle = not self._calls and not self._responses and not self._ends
-                if idle and (not self._reading or self._servicer.loop.state is not LoopState.RUNNING):
+                if not pending and not self._calls and (
+                        not self._reading or self._servicer.loop.state is not LoopState.RUNNING):
                     return  # the caller is done, or this worker is stopping
                 self._wake.clear()
                 await self._wake.wait()
@@ -220,8 +220,3 @@ class WorkerStreamServicer:
             self.GenerateMany, request_deserializer=tolerant(wpb.WorkerStreamRequest),
             response_serializer=wpb.WorkerStreamResponse.SerializeToString)}
 
-
-def add_worker_stream_servicer(servicer: WorkerStreamServicer, server: grpc.aio.Server) -> None:
-    handlers = servicer.handlers()
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
-    server.add_registered_method_handlers(SERVICE_NAME, handlers)
