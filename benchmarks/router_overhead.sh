@@ -11,15 +11,15 @@
 # the streams through the router, half straight to the worker, 64 requests each, the same prompts, started
 # at one wall-clock time (--start-at). Both halves share every engine step: their throughput ratio is the
 # router's cost at the same load. Their TTFTs are not comparable as they are: equal-length requests run in
-# waves, and the half whose first wave reaches the worker first keeps being prefilled first (60-120 ms at
-# c16, either way round). So each half's TTFT is taken minus the worker's own TTFT of the same requests
-# (its log), which leaves that path's transport alone; the router's share is the difference of the two
-# paths, what a client pays for the router beyond what it pays calling the worker itself, by means and by
-# medians (each half's client p50 minus the worker's own p50 of its requests). Which half goes 20 ms ahead
-# alternates by round.
+# waves, and the half whose first wave reaches the worker first keeps being prefilled first (60-800 ms,
+# either way round). So each request's TTFT as its client saw it is taken minus the worker's own TTFT of
+# that request (its log), which leaves the request's transport alone; the router's share is the
+# difference of the two paths' medians (and means) of it, what a client pays for the router beyond what it
+# pays calling the worker itself. Which half goes 20 ms ahead alternates by round.
 #
 #   benchmarks/router_overhead.sh MODEL [CONCURRENCY ...]   (default 16 64)
-# ROUTER_FLAGS: extra router flags (e.g. "--detokenize service"). WORKER_FLAGS: extra worker flags.
+# SPLIT_ONLY=1: the split rounds alone. ROUTER_FLAGS: extra router flags (e.g. "--detokenize service").
+# WORKER_FLAGS: extra worker flags (e.g. "--compute-nice 10").
 set -euo pipefail
 model=$(realpath "${1:?usage: benchmarks/router_overhead.sh MODEL [CONCURRENCY ...]}"); shift
 levels=(16 64); [ $# -gt 0 ] && levels=("$@")
@@ -49,7 +49,13 @@ print(v[p + "time_to_first_token_seconds_sum"], v[p + "time_to_first_token_secon
 # Every run below: 64 requests of exactly 128 tokens in and out.
 workload=(--model "$model" --wait-for-server 300 --dataset random --random-input-len 128 --random-output-len 128
           --random-range-ratio 1 --num-prompts 64 --warmup-requests 0)
-for c in "${levels[@]}"; do
+hist_levels=("${levels[@]}")
+if [ "${SPLIT_ONLY:-0}" = 1 ]; then  # no histogram runs: only wait for the services (and warm them)
+    hist_levels=()
+    "$py" -m llmserve.cli bench-serving --backend router --address "127.0.0.1:$r" "${workload[@]}" --num-prompts 8 \
+        --max-concurrency 8 > "$out/warmup.txt" 2>&1
+fi
+for c in "${hist_levels[@]}"; do
     "$py" -m llmserve.cli bench-serving --backend router --address "127.0.0.1:$r" "${workload[@]}" \
         --max-concurrency "$c" > "$out/bench_c$c.txt" 2>&1
     read -r rt rn re _ <<< "$(scrape "$rm")"; read -r wt wn we _ <<< "$(scrape "$wm")"
@@ -63,35 +69,44 @@ print(f'c$c: {d[1]:.0f} requests; router adds TTFT {1e3 * (d[0] - d[3]) / d[1]:+
     prev="$rt $rn $re $wt $wn $we"
     grep -E "Output token throughput|Median TTFT" "$out/bench_c$c.txt" | sed "s/^/c$c: /"
 done
-# split_report ROUND C ORDER START: the two halves' reports, and each half's TTFT as its client saw it minus the
-# worker's own TTFT for the same requests (the worker's "generate finished" lines stamped after START, the
-# round's start time: the router's requests are rt-*, the direct client's bench-*). That difference is each path's transport
-# (intake, sends, relays); the router's cost is the router path's minus the direct one's, which the order of
-# the waves does not move (both halves subtract their own engine wait).
+# split_report ROUND C ORDER START: the two halves' reports, and per request its TTFT as the client saw it
+# minus the worker's own TTFT for it (the worker's "generate finished" line, stamped after START, the round's
+# start time; the client labels each request bench-N: the direct client's is the worker's request_id, the
+# router's reaches the worker as client_request_id). That difference is the request's transport (intake,
+# sends, relays) with its wait for the engine taken out; the router's cost is the router path's median (and
+# mean) of it minus the direct path's, which neither the order of the waves nor the engine's step time moves.
 split_report() {
     "$py" - "$out" "$@" <<'PY'
 import datetime, json, re, statistics, sys
 out, rnd, c, order, start = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], float(sys.argv[5])
 def report(target):
     run = json.loads(open(f"{out}/split_{target}_c{c}_r{rnd}.jsonl").read())
-    return run["output_throughput"], run["median_ttft_ms"], run["mean_ttft_ms"]
-own = {"rt-": [], "bench-": []}
+    client = {r["request_id"]: r["ttft_ms"] for r in run["requests"]}
+    return run["output_throughput"], run["median_ttft_ms"], run["mean_ttft_ms"], client
+own = {"router": {}, "worker": {}}  # path -> the client's label -> the worker's TTFT (ms)
 for line in open(f"{out}/worker.log"):
     if "generate finished" not in line:
         continue
     stamp = datetime.datetime.fromisoformat(line.split(" ", 1)[0].replace("Z", "+00:00")).timestamp()
-    if stamp >= start and (m := re.search(r" request_id=(rt-|bench-)\S* .*ttft_s=([\d.]+)", line)):
-        own[m.group(1)].append(1e3 * float(m.group(2)))
+    fields = dict(re.findall(r" (\w+)=(\S+)", line))
+    if stamp < start or "ttft_s" not in fields:
+        continue
+    if fields["request_id"].startswith("rt-"):
+        own["router"][fields["client_request_id"]] = 1e3 * float(fields["ttft_s"])
+    else:
+        own["worker"][fields["request_id"]] = 1e3 * float(fields["ttft_s"])
 # Every request of the round and none of another's, or the figures below are void.
-assert len(own["rt-"]) == len(own["bench-"]) == 64, {k: len(v) for k, v in own.items()}
-(rtok, rmed, rmean), (wtok, wmed, wmean) = report("router"), report("worker")
-r_path, d_path = rmean - statistics.mean(own["rt-"]), wmean - statistics.mean(own["bench-"])
-# The same by medians (the budget is on TTFT p50): each half's client p50 minus the worker's own p50 for it.
-r_p50, d_p50 = rmed - statistics.median(own["rt-"]), wmed - statistics.median(own["bench-"])
+assert len(own["router"]) == len(own["worker"]) == 64, {k: len(v) for k, v in own.items()}
+(rtok, rmed, rmean, rclient), (wtok, wmed, wmean, wclient) = report("router"), report("worker")
+def transport(client, path):  # per request: client TTFT minus the worker's own
+    return [client[rid] - own[path][rid] for rid in client]
+r_path, d_path = transport(rclient, "router"), transport(wclient, "worker")
+r_p50, d_p50 = statistics.median(r_path), statistics.median(d_path)
+r_mean, d_mean = statistics.mean(r_path), statistics.mean(d_path)
 print(f"split c{c} round {rnd} ({c // 2} + {c // 2} streams, {order} first): router / direct output tok/s "
-      f"{rtok:.1f} / {wtok:.1f} ({rtok / wtok:.3f}x); TTFT p50 {rmed:.1f} / {wmed:.1f} ms, mean {rmean:.1f} / "
-      f"{wmean:.1f}; client minus worker TTFT, router path / direct: mean {r_path:.1f} / {d_path:.1f} ms, "
-      f"p50 {r_p50:.1f} / {d_p50:.1f} ms: the router adds {r_path - d_path:+.1f} ms (mean), {r_p50 - d_p50:+.1f} ms (p50)")
+      f"{rtok:.1f} / {wtok:.1f} ({rtok / wtok:.3f}x); client TTFT p50 {rmed:.1f} / {wmed:.1f} ms, mean {rmean:.1f} / "
+      f"{wmean:.1f}; per request, client minus worker TTFT, router path / direct: p50 {r_p50:.1f} / {d_p50:.1f} ms, "
+      f"mean {r_mean:.1f} / {d_mean:.1f} ms: the router adds {r_p50 - d_p50:+.1f} ms (p50), {r_mean - d_mean:+.1f} ms (mean)")
 PY
 }
 for round in $(seq "${SPLIT_ROUNDS:-2}"); do
@@ -105,7 +120,7 @@ for round in $(seq "${SPLIT_ROUNDS:-2}"); do
             addr=127.0.0.1:$r; [ "$target" = worker ] && addr=127.0.0.1:$w
             "$py" -m llmserve.cli bench-serving --backend "$target" --address "$addr" "${workload[@]}" \
                 --max-concurrency "$half" --seed "$round" --start-at "$("$py" -c "print($start - $lead)")" \
-                --output-file "$out/split_${target}_c${c}_r$round.jsonl" > "$out/split_${target}_c${c}_r$round.txt" 2>&1 &
+                --output-file "$out/split_${target}_c${c}_r$round.jsonl" --output-details > "$out/split_${target}_c${c}_r$round.txt" 2>&1 &
             clients+=("$!")
             lead=0
         done

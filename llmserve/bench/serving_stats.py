@@ -24,6 +24,7 @@ class RequestRecord:
     conversation: int = -1
     turn: int = -1
     group: int = -1
+    request_id: str = ""  # the label the target sent (the worker's logs name it), set when sent
     sent: float = 0.0
     done: float = 0.0
     stamps: list[float] = field(default_factory=list)
@@ -73,7 +74,8 @@ class RequestRecord:
     def detail(self) -> dict[str, Any]:
         ttft, tpot = self.ttft, self.tpot
         return {
-            "index": self.index, "conversation": self.conversation, "turn": self.turn, "group": self.group,
+            "index": self.index, "request_id": self.request_id, "conversation": self.conversation, "turn": self.turn,
+            "group": self.group,
             "status": self.status, "error": self.error, "finish_reason": self.finish_reason,
             "prompt_tokens": self.prompt_len, "output_tokens": self.output_tokens,
             "expected_output_len": self.expected_output_len, "cached_tokens": self.cached_tokens,

@@ -64,6 +64,7 @@ class RouterTarget:
         self.stub = router_pb2_grpc.RouterStub(channel)
         self.metadata = tuple(metadata)
         self.settings = settings
+        self._ids = 0
 
     async def facts(self) -> ServerFacts:
         info = await self.stub.GetModelInfo(self.pb.GetModelInfoRequest(model=self.settings.served_model),
@@ -78,8 +79,12 @@ class RouterTarget:
 
     async def generate(self, prompt: ds.Prompt, output_len: int, rec: RequestRecord, keep_output: bool) -> None:
         cfg = self.settings
-        req = self.pb.GenerateRequest(model=cfg.served_model, sampling_params=self.pb.SamplingParams(
-            max_new_tokens=output_len, temperature=cfg.temperature, ignore_eos=cfg.ignore_eos))
+        self._ids += 1
+        rec.request_id = f"bench-{self._ids}"  # a label: the router logs it and hands it to the worker's logs
+        req = self.pb.GenerateRequest(
+            model=cfg.served_model, request_id=rec.request_id,
+            sampling_params=self.pb.SamplingParams(max_new_tokens=output_len, temperature=cfg.temperature,
+                                                   ignore_eos=cfg.ignore_eos))
         keep_text = keep_output and prompt.text is not None
         if prompt.text is not None:
             req.text = prompt.text
@@ -150,8 +155,9 @@ class WorkerTarget:
     async def generate(self, prompt: ds.Prompt, output_len: int, rec: RequestRecord, keep_output: bool) -> None:
         cfg = self.settings
         self._ids += 1
+        rec.request_id = f"bench-{self._ids}"
         req = self.pb.GenerateRequest(
-            request_id=f"bench-{self._ids}", tokenized=self.pb.TokenizedInput(input_ids=prompt.ids),
+            request_id=rec.request_id, tokenized=self.pb.TokenizedInput(input_ids=prompt.ids),
             sampling_params=self.pb.SamplingParams(max_new_tokens=output_len, temperature=cfg.temperature,
                                                    ignore_eos=cfg.ignore_eos),
             stream=True)

@@ -54,6 +54,9 @@ def check_run(line: dict, n: int, output_len: int) -> None:
     assert line["completed"] == n and line["failed"] == 0 and line["failures"] == {}
     assert line["total_output_tokens"] == n * output_len and line["output_len_mismatches"] == 0
     assert len(line["requests"]) == n
+    # Each request's label, which the worker's logs name (benchmarks/router_overhead.sh pairs them).
+    labels = {r["request_id"] for r in line["requests"]}
+    assert len(labels) == n and all(label.startswith("bench-") for label in labels)
     for r in line["requests"]:
         assert r["status"] == "OK" and r["finish_reason"] == "length"
         assert r["output_tokens"] == r["expected_output_len"] == output_len
