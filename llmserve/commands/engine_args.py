@@ -83,6 +83,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--torch-compile-max-bs", type=int, default=32, metavar="N",
                    help="--enable-torch-compile: decode steps of up to N requests run compiled (default 32); "
                    "larger ones and prefill run eagerly")
+    g.add_argument("--compute-nice", type=int, default=0, metavar="N",
+                   help="Linux: run the step thread and its OpenMP team at nice N (0..19, default 0: unchanged), "
+                   "so the worker's gRPC thread and a router, tokenizer or client sharing its cores get a core "
+                   "at once instead of waiting for the forward (first-token latency on shared cores)")
     g.add_argument("--disable-fused-decode", action="store_true",
                    help="CPU: run decode steps layer by layer from Python instead of one C++ call over the "
                    "layers (same kernels, same logits; for A/B runs)")
@@ -116,6 +120,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         enable_torch_compile=getattr(args, "enable_torch_compile", False),
         torch_compile_max_bs=getattr(args, "torch_compile_max_bs", 32),
         disable_fused_decode=getattr(args, "disable_fused_decode", False),
+        compute_nice=getattr(args, "compute_nice", 0),
     )
 
 

@@ -41,6 +41,10 @@ class EngineConfig:
     # Radix prefix cache (sglang's RadixAttention): requests reuse the KV of token prefixes computed
     # before, shared across requests and kept (evictable, LRU) after they finish. On unless disabled.
     disable_radix_cache: bool = False
+    # Nice value of the thread that runs the steps and of its OpenMP team (executor/compute_priority.py):
+    # above 0, the cores the forward holds go at once to the worker's gRPC thread and to a router,
+    # tokenizer or client on the same host. 0: the step threads keep the process's priority.
+    compute_nice: int = 0
 
     # Matmul kernel for bf16 weights on the CPU (kernels/bf16_linear.py): "auto" picks "amx_bf16" (this
     # project's kernels on pre-packed weights, AMX tiles from 2 rows up) on CPUs with AMX-BF16, "avx512_bf16"
@@ -118,3 +122,5 @@ class EngineConfig:
             raise ValueError("--torch-compile-max-bs must be positive")
         if self.max_total_tokens is not None and self.max_total_tokens <= 0:
             raise ValueError("--max-total-tokens must be positive")
+        if not 0 <= self.compute_nice <= 19:  # Linux's nice values; below 0 needs privileges
+            raise ValueError("--compute-nice must be in 0..19")

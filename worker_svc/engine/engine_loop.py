@@ -44,6 +44,7 @@ import structlog
 
 from worker_svc.engine.engine import Engine
 from worker_svc.engine.request import Request, StepOutput
+from worker_svc.executor.compute_priority import lower_compute_priority
 from worker_svc.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -289,6 +290,7 @@ class EngineLoop:
     # ---- the engine thread -----------------------------------------------------------------------
 
     def _run(self) -> None:
+        lower_compute_priority(self.engine.config.compute_nice)  # before this thread's first forward
         last_activity = time.monotonic()
         try:
             while True:

@@ -16,6 +16,7 @@ import torch.multiprocessing as mp
 from worker_svc.config.engine_config import EngineConfig
 from worker_svc.config.model_config import ModelConfig
 from worker_svc.config.tp_timeouts import TP_UNWATCHED_TIMEOUT_S
+from worker_svc.executor.compute_priority import lower_compute_priority
 from worker_svc.executor.kernel_choice import KernelPlan
 from worker_svc.executor.model_runner import ModelRunner
 from worker_svc.executor.step_runner import StepRunner
@@ -39,7 +40,7 @@ class FollowerLoop:
     ``collectives`` (the observer of ``tp``); waiting for the leader's next step is neither."""
 
     def __init__(self, runner: StepRunner, tp: TPContext, metrics: StepMetrics | None = None,
-                 collectives: StepCollectives | None = None) -> None:
+                 collectives: StepCollectives | None = None, compute_nice: int = 0) -> None:
         if tp.is_leader:
             raise ValueError("rank 0 is the leader, not a follower")
         self.runner = runner
@@ -47,9 +48,11 @@ class FollowerLoop:
         self.steps = 0
         self._metrics = metrics
         self._collectives = collectives if metrics is not None else None
+        self._compute_nice = compute_nice
 
     def run(self) -> int:
-        """Returns the number of steps run."""
+        """Returns the number of steps run. Call it on the thread that runs the steps."""
+        lower_compute_priority(self._compute_nice)
         metrics, collectives = self._metrics, self._collectives
         while (step := receive_step(self.tp, self.runner.device)) is not None:
             if metrics is None:
@@ -177,7 +180,8 @@ def run_follower(
     steps = []
     try:
         for engine_config in engine_configs:
-            steps.append(FollowerLoop(ModelRunner(rank_config(engine_config, rank), tp), tp).run())
+            runner = ModelRunner(rank_config(engine_config, rank), tp)
+            steps.append(FollowerLoop(runner, tp, compute_nice=engine_config.compute_nice).run())
     finally:
         destroy_tp(tp)
     return steps

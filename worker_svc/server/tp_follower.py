@@ -93,7 +93,8 @@ async def serve_follower(
     aio_loop = asyncio.get_running_loop()
     done = asyncio.Event()
     result: dict[str, object] = {}
-    follower = FollowerLoop(runner, tp, metrics.steps if metrics is not None else None, collectives)
+    follower = FollowerLoop(runner, tp, metrics.steps if metrics is not None else None, collectives,
+                            compute_nice=config.compute_nice)
 
     def run_loop() -> None:
         try:
