@@ -60,11 +60,13 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from llmserve.bench.runners import open_runner
+    from worker_svc.executor.compute_priority import lower_compute_priority
     from worker_svc.parallel.collective_observer import CollectiveRecorder
 
     if args.threads:
         torch.set_num_threads(args.threads)
     engine = engine_config_from_args(args)
+    lower_compute_priority(engine.compute_nice)  # this thread runs the steps (rank 0's)
     if args.tp < 1:
         raise SystemExit("--tp must be at least 1")
     # A single rank performs no collectives: nothing to profile.

@@ -47,12 +47,14 @@ def run(args: argparse.Namespace) -> int:
 
     from llmserve.bench.runners import open_runner
     from llmserve.eval.perplexity import EngineScorer, HFScorer, PerplexityResult, perplexity
+    from worker_svc.executor.compute_priority import lower_compute_priority
 
     if args.threads:
         torch.set_num_threads(args.threads)
     text = args.text.read_text(encoding="utf-8") if args.text else shipped_text()
     ids = Tokenizer.from_file(str(Path(args.model) / "tokenizer.json")).encode(text).ids
     engine = engine_config_from_args(args)
+    lower_compute_priority(engine.compute_nice)  # this thread runs the steps (rank 0's)
     if engine.max_total_tokens is None or engine.max_total_tokens < args.window:
         engine = dataclasses.replace(engine, max_total_tokens=args.window)
     try:

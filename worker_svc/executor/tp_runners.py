@@ -51,7 +51,8 @@ class FollowerLoop:
         self._compute_nice = compute_nice
 
     def run(self) -> int:
-        """Returns the number of steps run. Call it on the thread that runs the steps."""
+        """Returns the number of steps run. ``compute_nice`` applies to the calling thread: call it on a
+        thread that has run no parallel region yet (else its OpenMP team keeps its priority)."""
         lower_compute_priority(self._compute_nice)
         metrics, collectives = self._metrics, self._collectives
         while (step := receive_step(self.tp, self.runner.device)) is not None:
@@ -176,12 +177,13 @@ def run_follower(
     this rank's runner and replay the leader's steps until STOP. Returns the steps run per config."""
     if threads:
         torch.set_num_threads(threads)
+    # This thread loads and steps: lowered before its first parallel region, so its OpenMP team is too.
+    lower_compute_priority(engine_configs[0].compute_nice)
     tp = init_tp(rank, size, init_addr, engine_configs[0].device, timeout_s or TP_UNWATCHED_TIMEOUT_S, comm=comm)
     steps = []
     try:
         for engine_config in engine_configs:
-            runner = ModelRunner(rank_config(engine_config, rank), tp)
-            steps.append(FollowerLoop(runner, tp, compute_nice=engine_config.compute_nice).run())
+            steps.append(FollowerLoop(ModelRunner(rank_config(engine_config, rank), tp), tp).run())
     finally:
         destroy_tp(tp)
     return steps
