@@ -40,7 +40,7 @@ class FollowerLoop:
     ``collectives`` (the observer of ``tp``); waiting for the leader's next step is neither."""
 
     def __init__(self, runner: StepRunner, tp: TPContext, metrics: StepMetrics | None = None,
-                 collectives: StepCollectives | None = None, compute_nice: int = 0) -> None:
+                 collectives: StepCollectives | None = None) -> None:
         if tp.is_leader:
             raise ValueError("rank 0 is the leader, not a follower")
         self.runner = runner
@@ -48,12 +48,9 @@ class FollowerLoop:
         self.steps = 0
         self._metrics = metrics
         self._collectives = collectives if metrics is not None else None
-        self._compute_nice = compute_nice
 
     def run(self) -> int:
-        """Returns the number of steps run. ``compute_nice`` applies to the calling thread: call it on a
-        thread that has run no parallel region yet (else its OpenMP team keeps its priority)."""
-        lower_compute_priority(self._compute_nice)
+        """Returns the number of steps run."""
         metrics, collectives = self._metrics, self._collectives
         while (step := receive_step(self.tp, self.runner.device)) is not None:
             if metrics is None:

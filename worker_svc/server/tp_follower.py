@@ -24,6 +24,7 @@ from grpc_health.v1 import health_pb2_grpc
 from llmserve.grpc_server import grpc_address, listen, stop_signal_event
 from worker_svc.config.engine_config import EngineConfig
 from worker_svc.config.tp_timeouts import TP_CONNECT_TIMEOUT_S, TP_SERVING_TIMEOUT_S
+from worker_svc.executor.compute_priority import lower_compute_priority
 from worker_svc.executor.model_runner import ModelRunner
 from worker_svc.executor.tp_runners import FollowerLoop, rank_config
 from worker_svc.parallel.collective_observer import StepCollectives
@@ -93,10 +94,10 @@ async def serve_follower(
     aio_loop = asyncio.get_running_loop()
     done = asyncio.Event()
     result: dict[str, object] = {}
-    follower = FollowerLoop(runner, tp, metrics.steps if metrics is not None else None, collectives,
-                            compute_nice=config.compute_nice)
+    follower = FollowerLoop(runner, tp, metrics.steps if metrics is not None else None, collectives)
 
     def run_loop() -> None:
+        lower_compute_priority(config.compute_nice)  # a new thread: its OpenMP team starts at this priority
         try:
             result["steps"] = follower.run()
         except BaseException as exc:  # noqa: BLE001
