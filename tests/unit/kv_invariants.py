@@ -64,7 +64,7 @@ def assert_kv_consistent(engine: Engine) -> None:
             locks[id(node)] = locks.get(id(node), 0) + 1
         owned += slots[r.prefix_len :]
     held = cache.held_slots().tolist() if cache is not None else []
-    everything = alloc._free.tolist() + held + owned
+    everything = alloc.free_slots().tolist() + held + owned
     assert sorted(everything) == list(range(1, alloc.size + 1)), "slots leaked or owned twice"
     if cache is not None:
         nodes = cache.nodes()
@@ -87,4 +87,4 @@ def assert_all_released(engine: Engine) -> None:
     ok, message = engine.flush_cache()
     assert ok, message
     assert kv.allocator.available() == kv.allocator.size
-    assert sorted(kv.allocator._free.tolist()) == list(range(1, kv.allocator.size + 1))
+    assert sorted(kv.allocator.free_slots().tolist()) == list(range(1, kv.allocator.size + 1))

@@ -40,7 +40,7 @@ def _assert_sizes(cache: RadixCache, alloc: KVSlotAllocator) -> None:
     assert all(n.value.numel() == len(n.key) > 0 for n in nodes)
     assert all(n.parent is not None and n.parent.children[n.key[0]] is n for n in nodes)
     assert all(n.parent.lock_ref >= n.lock_ref for n in nodes if n.parent is not cache.root)  # locks run to the root
-    free = alloc._free.tolist()
+    free = alloc.free_slots().tolist()
     assert not set(free) & set(held), "a slot is both free and held by the tree"
 
 
@@ -100,7 +100,7 @@ def test_eviction_never_frees_a_locked_node():
     _assert_sizes(cache, alloc)
     assert cache.evict(100) == 6  # everything unlocked, nothing more
     assert cache.match_prefix(list(range(10)))[0].tolist() == pinned.tolist()
-    assert not set(pinned.tolist()) & set(alloc._free.tolist())
+    assert not set(pinned.tolist()) & set(alloc.free_slots().tolist())
     assert cache.reset() is False and cache.total_size() == 10  # refused while pinned; nothing freed
     # A split of a locked edge keeps both halves locked.
     cache.match_prefix([0, 1, 2])
@@ -157,7 +157,7 @@ def test_random_workload_keeps_every_slot_in_one_place():
             live.append((key, node, own, value.numel()))
         _assert_sizes(cache, alloc)
         owned = [s for *_, own, _ in live for s in own.tolist()]
-        everything = alloc._free.tolist() + cache.held_slots().tolist() + owned
+        everything = alloc.free_slots().tolist() + cache.held_slots().tolist() + owned
         assert sorted(everything) == list(range(1, alloc.size + 1))
     for key, node, own, matched in live:
         present = cache.insert(key, torch.cat([cache.match_prefix(key[:matched])[0], own]))
