@@ -16,6 +16,8 @@
 # that request (its log), which leaves the request's transport alone; the router's share is the
 # difference of the two paths' medians (and means) of it, what a client pays for the router beyond what it
 # pays calling the worker itself. Which half goes 20 ms ahead alternates by round.
+# Last, each level's requests of all rounds pooled: one median per path over all of them, the figure to
+# quote (a round's own medians swing with which half led).
 #
 #   benchmarks/router_overhead.sh MODEL [CONCURRENCY ...]   (default 16 64)
 # SPLIT_ONLY=1: the split rounds alone. ROUTER_FLAGS: extra router flags (e.g. "--detokenize service").
@@ -107,6 +109,22 @@ print(f"split c{c} round {rnd} ({c // 2} + {c // 2} streams, {order} first): rou
       f"{rtok:.1f} / {wtok:.1f} ({rtok / wtok:.3f}x); client TTFT p50 {rmed:.1f} / {wmed:.1f} ms, mean {rmean:.1f} / "
       f"{wmean:.1f}; per request, client minus worker TTFT, router path / direct: p50 {r_p50:.1f} / {d_p50:.1f} ms, "
       f"mean {r_mean:.1f} / {d_mean:.1f} ms: the router adds {r_p50 - d_p50:+.1f} ms (p50), {r_mean - d_mean:+.1f} ms (mean)")
+with open(f"{out}/transport_c{c}.jsonl", "a") as f:  # for pooled_report
+    f.write(json.dumps({"round": int(rnd), "router": r_path, "direct": d_path}) + "\n")
+PY
+}
+# pooled_report C: every round's requests at that level together, one p50 (and mean) per path over all of them:
+# the rounds' own p50s swing with which half led, and the median of a few of them is a coarse estimate.
+pooled_report() {
+    "$py" - "$out/transport_c$1.jsonl" "$1" <<'PY'
+import json, statistics, sys
+rounds = [json.loads(line) for line in open(sys.argv[1])]
+r = [x for rd in rounds for x in rd["router"]]
+d = [x for rd in rounds for x in rd["direct"]]
+print(f"split c{sys.argv[2]}, all {len(rounds)} rounds pooled ({len(r)} + {len(d)} requests): per request, client minus "
+      f"worker TTFT, router path / direct: p50 {statistics.median(r):.1f} / {statistics.median(d):.1f} ms, mean "
+      f"{statistics.mean(r):.1f} / {statistics.mean(d):.1f} ms: the router adds {statistics.median(r) - statistics.median(d):+.1f} "
+      f"ms (p50), {statistics.mean(r) - statistics.mean(d):+.1f} ms (mean)")
 PY
 }
 for round in $(seq "${SPLIT_ROUNDS:-2}"); do
@@ -128,4 +146,7 @@ for round in $(seq "${SPLIT_ROUNDS:-2}"); do
         split_report "$round" "$c" "${order%% *}" "$start"
     done
 done
+if [ "${SPLIT_ROUNDS:-2}" -gt 0 ]; then
+    for c in "${levels[@]}"; do pooled_report "$c"; done
+fi
 echo "logs in $out"
