@@ -157,8 +157,11 @@ class _Session:
             while True:
                 if not self._opens and not self._cancels and not self._credit:
                     self._wake.clear()
+                    # No extra turn of the loop before writing: calls opened in the same turn are already
+                    # queued ahead of this wake-up, and later ones join while this write is on the way.
+                    # (A yield here cost a pass through the ready queue: the open's hop to the worker, p50
+                    # 1.02 -> 0.92 ms and p90 5.0 -> 3.4 ms in benchmarks/router_overhead.sh's split rounds.)
                     await self._wake.wait()
-                    await asyncio.sleep(0)  # let the calls opened in this turn of the loop join the message
                     continue
                 message = wpb.WorkerStreamRequest(cancel=self._cancels, credit=self._credit)
                 self._cancels, self._credit = [], 0
