@@ -6,7 +6,6 @@ import random
 import pytest
 import torch
 
-from worker_svc.kvcache import allocator as allocator_module
 from worker_svc.kvcache.allocator import KVSlotAllocator
 
 
@@ -60,9 +59,8 @@ def test_clear_restores_the_full_pool():
     assert alloc.free_slots().tolist() == list(range(1, 11))
 
 
-def test_many_small_frees_are_merged(monkeypatch):
-    monkeypatch.setattr(allocator_module, "_MAX_CHUNKS", 8)
-    alloc = KVSlotAllocator(64)
+def test_many_small_frees_are_merged():
+    alloc = KVSlotAllocator(64, max_chunks=8)
     singles = [alloc.alloc(1) for _ in range(64)]
     for s in singles:
         alloc.free(s)

@@ -13,17 +13,17 @@ from collections import deque
 
 import torch
 
-# Past this many chunks the queue is merged into one (a copy of the free list, once per this many frees):
-# alloc walks chunks one by one, and a long run of small frees should not make it slow.
-_MAX_CHUNKS = 4096
-
 
 class KVSlotAllocator:
-    def __init__(self, size: int, device: torch.device | str = "cpu") -> None:
+    def __init__(self, size: int, device: torch.device | str = "cpu", max_chunks: int = 4096) -> None:
+        """``max_chunks``: past this many chunks the queue is merged into one (a copy of the free list,
+        once per that many frees): alloc walks chunks one by one, and a long run of small frees should
+        not make it slow."""
         if size <= 0:
             raise ValueError(f"KV pool size must be positive, got {size}")
         self.size = size
         self.device = torch.device(device)
+        self.max_chunks = max_chunks
         self.clear()
 
     def clear(self) -> None:
@@ -62,7 +62,7 @@ class KVSlotAllocator:
         # A copy: the caller's tensor may be a view it goes on writing.
         self._chunks.append(slots.to(device=self.device, dtype=torch.int64, copy=True))
         self._available += slots.numel()
-        if len(self._chunks) > _MAX_CHUNKS:
+        if len(self._chunks) > self.max_chunks:
             self._chunks = deque([torch.cat(tuple(self._chunks))])
 
     def free_slots(self) -> torch.Tensor:
