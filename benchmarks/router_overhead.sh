@@ -18,6 +18,8 @@
 # pays calling the worker itself. Which half goes 20 ms ahead alternates by round.
 # Last, each level's requests of all rounds pooled: one median per path over all of them, the figure to
 # quote (a round's own medians swing with which half led).
+# And the router path's part of it split four ways from the router's and the worker's logs: the client <->
+# router hops (gRPC intake and delivery), planning, the hop to the worker, the first token's way back.
 #
 #   benchmarks/router_overhead.sh MODEL [CONCURRENCY ...]   (default 16 64)
 # SPLIT_ONLY=1: the split rounds alone. ROUTER_FLAGS: extra router flags (e.g. "--detokenize service").
@@ -85,18 +87,34 @@ def report(target):
     run = json.loads(open(f"{out}/split_{target}_c{c}_r{rnd}.jsonl").read())
     client = {r["request_id"]: r["ttft_ms"] for r in run["requests"]}
     return run["output_throughput"], run["median_ttft_ms"], run["mean_ttft_ms"], client
+def stamped(line):  # a log line's wall time (s) and its key=value fields
+    stamp = datetime.datetime.fromisoformat(line.split(" ", 1)[0].replace("Z", "+00:00")).timestamp()
+    return stamp, dict(re.findall(r" (\w+)=(\S+)", line))
 own = {"router": {}, "worker": {}}  # path -> the client's label -> the worker's TTFT (ms)
+worker_received = {}  # the client's label -> wall time the worker took a router-path request
 for line in open(f"{out}/worker.log"):
     if "generate finished" not in line:
         continue
-    stamp = datetime.datetime.fromisoformat(line.split(" ", 1)[0].replace("Z", "+00:00")).timestamp()
-    fields = dict(re.findall(r" (\w+)=(\S+)", line))
+    stamp, fields = stamped(line)
     if stamp < start or "ttft_s" not in fields:
         continue
     if fields["request_id"].startswith("rt-"):
         own["router"][fields["client_request_id"]] = 1e3 * float(fields["ttft_s"])
+        worker_received[fields["client_request_id"]] = stamp - float(fields["duration_s"])
     else:
         own["worker"][fields["request_id"]] = 1e3 * float(fields["ttft_s"])
+routed, router_done = {}, {}  # from the router's log: when it sent a request on; its received time and TTFT
+for line in open(f"{out}/router.log"):
+    if "generate routed" not in line and "generate finished" not in line:
+        continue
+    stamp, fields = stamped(line)
+    # The half that leads starts 20 ms before `start`; the round before ended seconds earlier.
+    if stamp < start - 1.0 or not fields.get("request_id", "").startswith("bench-"):
+        continue
+    if "generate routed" in line:
+        routed.setdefault(fields["request_id"], stamp)
+    elif "ttft_s" in fields:
+        router_done[fields["request_id"]] = (stamp - float(fields["duration_s"]), 1e3 * float(fields["ttft_s"]))
 # Every request of the round and none of another's, or the figures below are void.
 assert len(own["router"]) == len(own["worker"]) == 64, {k: len(v) for k, v in own.items()}
 (rtok, rmed, rmean, rclient), (wtok, wmed, wmean, wclient) = report("router"), report("worker")
@@ -109,8 +127,19 @@ print(f"split c{c} round {rnd} ({c // 2} + {c // 2} streams, {order} first): rou
       f"{rtok:.1f} / {wtok:.1f} ({rtok / wtok:.3f}x); client TTFT p50 {rmed:.1f} / {wmed:.1f} ms, mean {rmean:.1f} / "
       f"{wmean:.1f}; per request, client minus worker TTFT, router path / direct: p50 {r_p50:.1f} / {d_p50:.1f} ms, "
       f"mean {r_mean:.1f} / {d_mean:.1f} ms: the router adds {r_p50 - d_p50:+.1f} ms (p50), {r_mean - d_mean:+.1f} ms (mean)")
+# The router path's TTFT beyond the worker's own, per request, in four parts: the client <-> router hops
+# (gRPC intake and delivery), planning (received -> sent on), the hop to the worker, and the first token's
+# way back through the router (the rest of the router's TTFT beyond the worker's).
+parts = {"client <-> router": [], "planning": [], "hop to the worker": [], "first token back": []}
+for rid, client_ttft in rclient.items():
+    received, router_ttft = router_done[rid]
+    planning, hop = 1e3 * (routed[rid] - received), 1e3 * (worker_received[rid] - routed[rid])
+    parts["client <-> router"].append(client_ttft - router_ttft)
+    parts["planning"].append(planning)
+    parts["hop to the worker"].append(hop)
+    parts["first token back"].append(router_ttft - own["router"][rid] - planning - hop)
 with open(f"{out}/transport_c{c}.jsonl", "a") as f:  # for pooled_report
-    f.write(json.dumps({"round": int(rnd), "router": r_path, "direct": d_path}) + "\n")
+    f.write(json.dumps({"round": int(rnd), "router": r_path, "direct": d_path, "parts": parts}) + "\n")
 PY
 }
 # pooled_report C: every round's requests at that level together, one p50 (and mean) per path over all of them:
@@ -125,6 +154,11 @@ print(f"split c{sys.argv[2]}, all {len(rounds)} rounds pooled ({len(r)} + {len(d
       f"worker TTFT, router path / direct: p50 {statistics.median(r):.1f} / {statistics.median(d):.1f} ms, mean "
       f"{statistics.mean(r):.1f} / {statistics.mean(d):.1f} ms: the router adds {statistics.median(r) - statistics.median(d):+.1f} "
       f"ms (p50), {statistics.mean(r) - statistics.mean(d):+.1f} ms (mean)")
+def p90(v):
+    return sorted(v)[int(0.9 * (len(v) - 1))]
+parts = {name: [x for rd in rounds for x in rd["parts"][name]] for name in rounds[0]["parts"]}
+print(f"split c{sys.argv[2]}, router path, pooled, p50 / p90 ms: "
+      + "; ".join(f"{name} {statistics.median(v):.1f} / {p90(v):.1f}" for name, v in parts.items()))
 PY
 }
 for round in $(seq "${SPLIT_ROUNDS:-2}"); do
