@@ -87,6 +87,7 @@ def test_free_does_not_copy_the_free_list(monkeypatch):
     assert max(sizes, default=0) <= 16
 
 
-def test_negative_or_zero_size_is_refused():
-    with pytest.raises(ValueError):
-        KVSlotAllocator(0)
+@pytest.mark.parametrize("size", [0, -1])
+def test_an_empty_or_negative_pool_is_refused(size):
+    with pytest.raises(ValueError, match="positive"):
+        KVSlotAllocator(size)
