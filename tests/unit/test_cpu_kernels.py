@@ -129,6 +129,26 @@ def test_packed_bf16_matches_fp32_reference(rows, shape, bias, kernel_isa):
     assert torch.equal(kernel(x[-1:], weight, b), out[-1:])
 
 
+@pytest.mark.parametrize(("rows", "in_features"), [(449, 576), (1000, 576), (481, 1536), (2050, 64)])
+def test_amx_bf16_row_blocks_cover_every_row(rows, in_features):
+    """Large calls run in L2-sized row blocks (bf16_linear_amx.cpp, kRowBlockBytes: 448 rows at 576 inputs,
+    160 at 1536), balanced and ragged at the end: every row of every block matches the reference, and a
+    row's bits do not depend on which block it fell in."""
+    from worker_svc.kernels.bf16_linear import PackedBf16Linear
+
+    ops = _amx_bf16_ops()
+    gen = torch.Generator().manual_seed(rows + in_features)
+    weight = (torch.randn(80, in_features, generator=gen) * 0.05).to(torch.bfloat16)
+    b = torch.randn(80, generator=gen).to(torch.bfloat16)
+    x = torch.randn(rows, in_features, generator=gen).to(torch.bfloat16)
+    kernel = PackedBf16Linear(weight, ops, amx_min_rows=1)
+    out = kernel(x, weight, b)
+    ref = F.linear(x.float(), weight.float(), b.float())
+    assert torch.allclose(out.float(), ref, rtol=2**-8, atol=1e-4), (out.float() - ref).abs().max()
+    for row in (0, rows // 2, rows - 1):
+        assert torch.equal(kernel(x[row : row + 1], weight, b), out[row : row + 1])
+
+
 def test_amx_bf16_runs_from_its_row_threshold_and_only_on_whole_tiles():
     from worker_svc.kernels.bf16_linear import PackedBf16Linear
 

@@ -63,22 +63,40 @@ BlockFn pick(int mb, int nb) {
   return nb == 2 ? &block<1, 2> : &block<1, 1>;
 }
 
-// Output groups [begin, end) for every row: one thread's share.
+// Rows of x one pass over a thread's output groups reads: its A tiles come from L2 once per output-group
+// pair, so the block must stay there (L2 is 1-2 MiB a core). Without the blocking, 2048 rows x 576 inputs
+// (2.3 MiB) streamed from L3 for every pair, and 2048-row prefills ran at 60% of oneDNN's rate. Blocks are
+// balanced whole 32-row steps, so a 256-row call is not split 224 + 32.
+constexpr int64_t kRowBlockBytes = 512 * 1024;
+
+int64_t balanced_row_block(int64_t rows, int64_t k) {
+  const int64_t step = 2 * kTileRows;
+  const int64_t max_rows = std::max<int64_t>(step, kRowBlockBytes / (2 * k) / step * step);
+  const int64_t blocks = (rows + max_rows - 1) / max_rows;
+  return ((rows + blocks - 1) / blocks + step - 1) / step * step;
+}
+
+// Output groups [begin, end) for every row: one thread's share. Row blocks outside, output-group pairs
+// inside: a pair's B tiles (64 x K bytes) stay in L1 across the block's rows.
 LLMSERVE_AMX void run_groups(int64_t begin, int64_t end, const uint16_t* xp, int64_t rows, int64_t k, const uint16_t* wp,
                              int64_t group_stride, const float* bp, uint16_t* yp, int64_t n) {
   load_amx_tile_config();  // tile state is per thread
   alignas(64) float c[4 * llmserve::kAmxTileFloats];
-  for (int64_t g = begin; g < end; g += 2) {
-    const int nb = static_cast<int>(std::min<int64_t>(2, end - g));
-    for (int64_t r = 0; r < rows; r += 2 * kTileRows) {
-      const int mb = rows - r > kTileRows ? 2 : 1;
-      pick(mb, nb)(xp + r * k, k, wp + g * group_stride, group_stride, c);
-      for (int i = 0; i < mb; ++i) {
-        const int64_t r0 = r + i * kTileRows, valid_rows = std::min<int64_t>(kTileRows, rows - r0);
-        for (int j = 0; j < nb; ++j) {
-          const int64_t col = (g + j) * kGroup;
-          const float* tile = c + (i * 2 + j) * llmserve::kAmxTileFloats;  // as amx_store puts them
-          store_block(tile, bp != nullptr ? bp + col : nullptr, yp + r0 * n + col, n, valid_rows, n - col);
+  const int64_t block_rows = balanced_row_block(rows, k);
+  for (int64_t block_begin = 0; block_begin < rows; block_begin += block_rows) {
+    const int64_t block_end = std::min(rows, block_begin + block_rows);
+    for (int64_t g = begin; g < end; g += 2) {
+      const int nb = static_cast<int>(std::min<int64_t>(2, end - g));
+      for (int64_t r = block_begin; r < block_end; r += 2 * kTileRows) {
+        const int mb = block_end - r > kTileRows ? 2 : 1;
+        pick(mb, nb)(xp + r * k, k, wp + g * group_stride, group_stride, c);
+        for (int i = 0; i < mb; ++i) {
+          const int64_t r0 = r + i * kTileRows, valid_rows = std::min<int64_t>(kTileRows, rows - r0);
+          for (int j = 0; j < nb; ++j) {
+            const int64_t col = (g + j) * kGroup;
+            const float* tile = c + (i * 2 + j) * llmserve::kAmxTileFloats;  // as amx_store puts them
+            store_block(tile, bp != nullptr ? bp + col : nullptr, yp + r0 * n + col, n, valid_rows, n - col);
+          }
         }
       }
     }
