@@ -39,6 +39,7 @@ from llmserve.logging import configure_logging
 from llmserve.security_args import add_server_args
 from worker_svc.config.tp_comm import TP_COMM_CHOICES, TP_COMM_HELP
 from worker_svc.config.tp_timeouts import TP_CONNECT_TIMEOUT_S, TP_SERVING_TIMEOUT_S
+from worker_svc.server.native_memory import MAX_MMAP_THRESHOLD, HeapPolicy, parse_heap_policy
 
 if TYPE_CHECKING:
     from llmserve.security import ServerSecurity
@@ -190,17 +191,22 @@ def _delay_seconds(text: str) -> float:
     return value
 
 
-def _native_heap_policy(mmap_threshold: int) -> None:
-    """Before the model loads: fix glibc's mmap threshold so per-step temporaries of changing sizes
-    are given back instead of fragmenting the heap (worker_svc/server/native_memory.py, review F12)."""
-    from worker_svc.server.native_memory import fix_mmap_threshold
+def _native_heap_policy(policy: HeapPolicy) -> None:
+    """Before the model loads: what glibc does with the large temporaries a step frees
+    (worker_svc/server/native_memory.py)."""
+    from worker_svc.server.native_memory import apply_heap_policy
 
-    if not mmap_threshold:
-        return
-    if fix_mmap_threshold(mmap_threshold):
-        log.info("malloc mmap threshold fixed", bytes=mmap_threshold)
+    if apply_heap_policy(policy):
+        log.info("native heap policy", malloc_mmap_threshold=policy)
     else:
-        log.warning("--malloc-mmap-threshold not applied (not glibc, or above 32 MiB)", bytes=mmap_threshold)
+        log.warning("--malloc-mmap-threshold not applied (not glibc)", malloc_mmap_threshold=policy)
+
+
+def _heap_policy_arg(text: str) -> HeapPolicy:
+    try:
+        return parse_heap_policy(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"keep, glibc or 1..{MAX_MMAP_THRESHOLD} bytes ({exc})") from None
 
 
 def worker_options(args: argparse.Namespace) -> WorkerOptions:
@@ -258,13 +264,15 @@ def add_worker_limit_args(g: argparse._ArgumentGroup) -> None:
     )
     g.add_argument(
         "--malloc-mmap-threshold",
-        type=count,
-        default=0,
-        metavar="BYTES",
-        help="fix glibc's mmap threshold at BYTES (at most 32 MiB, e.g. 4194304): per-step temporaries "
-        "above it go back to the kernel when freed, so RSS stays flat under traffic of changing "
-        "shapes, at the cost of system CPU time (mmap, page faults). Default 0: glibc's self-raising "
-        "threshold, faster, RSS rises to a plateau (worker_svc/server/native_memory.py)",
+        type=_heap_policy_arg,
+        default="keep",
+        metavar="keep|glibc|BYTES",
+        help="what glibc does with the large temporaries an engine step frees "
+        "(worker_svc/server/native_memory.py). keep (default): they stay in the heap for the next steps, "
+        "no page faults per step, RSS levels off at a step's high-water mark. glibc: the C library's "
+        "self-raising threshold and trimming (a prefill step pays tens of thousands of page faults). "
+        "BYTES (at most 32 MiB, e.g. 4194304): temporaries above it go back to the kernel when freed, so "
+        "RSS stays flat under traffic of changing shapes, at the cost of system CPU time",
     )
     g.add_argument(
         "--max-queued-requests",

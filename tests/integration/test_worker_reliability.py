@@ -386,7 +386,12 @@ def test_worker_flags_reach_the_worker_options(worker_model):
         ).malloc_mmap_threshold
         == 4 << 20
     )
-    for bad in (["--step-stall-timeout", "0"], ["--max-queued-requests", "-1"], ["--malloc-mmap-threshold", "-1"]):
+    for policy in ("keep", "glibc"):
+        assert parser.parse_args(["worker", "--model", str(worker_model), "--malloc-mmap-threshold", policy]
+                                 ).malloc_mmap_threshold == policy
+    for bad in (["--step-stall-timeout", "0"], ["--max-queued-requests", "-1"], ["--malloc-mmap-threshold", "-1"],
+                ["--malloc-mmap-threshold", "0"], ["--malloc-mmap-threshold", str((32 << 20) + 1)],
+                ["--malloc-mmap-threshold", "trim"]):
         with pytest.raises(SystemExit):
             parser.parse_args(["worker", "--model", str(worker_model), *bad])
 
@@ -460,17 +465,19 @@ def worker_rss_under_mixed_prompts(
 
 
 @pytest.mark.slow
-def test_worker_rss_levels_off_with_and_without_a_fixed_mmap_threshold(worker_model, worker_process_factory):
-    """F12: RSS rises with traffic of changing shapes to a plateau and then stays, with the default
-    allocator policy and with `--malloc-mmap-threshold` (worker_svc/server/native_memory.py). When F12
-    was found the default rose 2.5x (glibc's self-raising mmap threshold kept freed temporaries in the
-    heap) and the fixed threshold kept it near idle. Since then the prefix cache is on by default and
-    keeps past prompts' KV pages and tree nodes (up to the pool's size, by design): on this workload the
-    default rose 12-17% from idle and the fixed threshold 10-12% in three runs (2026-12-04; ~6% for
-    both with --disable-radix-cache), so what is asserted is the plateau and a bound far below F12's
-    growth, no longer a ratio between the policies (it held in one run of three)."""
-    for flags in ((), ("--malloc-mmap-threshold", "4194304")):
+def test_worker_rss_levels_off_under_every_heap_policy(worker_model, worker_process_factory):
+    """F12: RSS rises with traffic of changing shapes to a plateau and then stays, under each native-heap
+    policy of `--malloc-mmap-threshold` (worker_svc/server/native_memory.py): keep (the default since
+    2026-12-06), glibc and a fixed threshold. When F12 was found glibc's policy rose 2.5x (its
+    self-raising mmap threshold kept freed temporaries in the heap) and the fixed threshold kept it near
+    idle. Since then the prefix cache is on by default and keeps past prompts' KV pages and tree nodes (up
+    to the pool's size, by design): on this workload glibc's policy rose 12-17% from idle and the fixed
+    threshold 10-12% in three runs (2026-12-04; ~6% for both with --disable-radix-cache), so what is
+    asserted is the plateau and a bound far below F12's growth, not a ratio between the policies. After the
+    warm-up, 15 or 30 more rounds added 1-5% under each policy (2026-12-06, two runs of each; the prefix
+    cache's pages still filling): the bound is 8%."""
+    for flags in ((), ("--malloc-mmap-threshold", "glibc"), ("--malloc-mmap-threshold", "4194304")):
         idle, warm, after = worker_rss_under_mixed_prompts(worker_process_factory, worker_model, *flags)
         print(f"{flags or 'default'}: idle {idle:.0f}, warm {warm:.0f}, after {after:.0f} MB")
-        assert after - warm < 0.05 * warm, f"{flags}: RSS kept growing after warm-up: {warm:.0f} -> {after:.0f} MB"
+        assert after - warm < 0.08 * warm, f"{flags}: RSS kept growing after warm-up: {warm:.0f} -> {after:.0f} MB"
         assert after < 1.3 * idle, f"{flags}: RSS rose from {idle:.0f} to {after:.0f} MB"

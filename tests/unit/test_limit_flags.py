@@ -36,7 +36,7 @@ def test_worker_limit_flags_round_trip_through_worker_limit_argv() -> None:
     assert vars(_parse_worker_limits(worker_limit_argv(given))) == vars(given)
     defaults = _parse_worker_limits([])
     assert (defaults.step_stall_timeout, defaults.malloc_mmap_threshold, defaults.max_queued_requests) == \
-        (120.0, 0, 1024)
+        (120.0, "keep", 1024)
 
 
 def test_serve_hands_the_worker_limits_to_its_workers() -> None:

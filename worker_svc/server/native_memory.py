@@ -1,51 +1,75 @@
-"""The worker process's native-heap policy (review F12: worker RSS grew with traffic and stayed up).
+"""The worker process's native-heap policy: what glibc does with the large temporaries an engine step frees.
 
-Cause: every engine step allocates large temporary tensors whose sizes change from step to step
-with the batch (attention scores and masks of a long extend, gathered K/V, logits). glibc serves an
-allocation above its mmap threshold (128 KiB at start) with mmap and returns it to the kernel on
-free, but each such free *raises* the threshold to that size (up to 32 MiB). From then on those
-temporaries come from the brk heap and the per-thread arenas, where blocks of ever-changing sizes
-fragment and are kept. RSS climbs with the variety of shapes seen and levels off late; Python
-objects stay flat (tracemalloc shows nothing). A bare engine fed identical batches reuses the same
-blocks, which is why it looked flat in the review.
+Every engine step allocates large temporary tensors (activations of a prefill chunk, attention scores,
+gathered K/V, logits) whose sizes change with the batch. glibc's defaults serve an allocation above its
+mmap threshold (128 KiB at start) with mmap and unmap it on free, *raising* the threshold to that size
+(up to 32 MiB) each time; below it, blocks come from the heap, whose free top is given back to the kernel
+once it passes the trim threshold (twice the mmap threshold). Memory given back is faulted in again, a
+fresh zeroed page at a time, by the next step that needs it.
 
-Measured in one process (tiny model, WorkerServer on loopback, 64 concurrent streams of 64 new
-tokens after prompts of 8-1900 tokens): RSS 357 -> 419 -> 424 MB over 25 rounds with glibc's
-self-raising threshold (a plateau: a high-water mark, not a leak); with the threshold fixed at 4 MiB
-357 -> 389 MB, at 1 MiB 357 -> 386 MB, at 64 KiB 357 -> 380 MB. Uniform 64x64-token rounds stay at
-354-380 MB either way. The price of a fixed threshold is an mmap, page faults on fresh zero pages
-and an munmap per large temporary: system CPU 8-10 s -> 32-38 s per 10 rounds of that traffic
-(user time unchanged), about 40% more wall time on the tiny model. So the worker keeps glibc's
-behaviour by default (``--malloc-mmap-threshold 0``) and an operator who prefers a flat RSS to
-throughput sets a threshold.
+Three policies (``llmserve worker --malloc-mmap-threshold``):
 
-Fixing the threshold with ``mallopt(M_MMAP_THRESHOLD, n)`` also turns the dynamic adjustment off,
-so temporaries above ``n`` are always mmapped and given back.
+- ``keep`` (default): mmap threshold fixed at 32 MiB and the heap never trimmed. A step's temporaries
+  reuse the blocks the steps before freed: no page faults in steady state, and RSS levels off at the
+  high-water mark of a step's temporaries. Measured on the real model (SmolLM2-135M, a 4 x 128-token
+  prefill step, 2-core AMX Xeon, 2026-12-06): glibc's policy took 32-38k page faults and 41-52 ms of
+  system time a step (of ~110-160 ms), ``keep`` none.
+- ``glibc``: glibc's self-raising threshold and trimming, as the C library ships.
+- a size in bytes (at most 32 MiB, e.g. 4194304): temporaries above it are unmapped on free, so RSS stays
+  near idle under traffic of changing shapes (review F12), at the cost of an mmap, page faults and an
+  munmap per large temporary (system time 8-10 s -> 32-38 s per 10 rounds of F12's traffic).
+
+``mallopt`` with any of these parameters also turns glibc's dynamic adjustment off.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+from typing import Literal
 
-_M_MMAP_THRESHOLD = -3  # glibc malloc.h
+_M_TRIM_THRESHOLD = -1  # glibc malloc.h
+_M_MMAP_THRESHOLD = -3
 MAX_MMAP_THRESHOLD = 32 << 20  # glibc's HEAP_MAX / 2 on 64-bit: mallopt refuses more
+_NEVER_TRIM = (1 << 31) - 1  # mallopt takes an int
 
-def fix_mmap_threshold(nbytes: int) -> bool:
-    """Fix glibc's mmap threshold at ``nbytes`` for this process. Returns False where the C library
-    has no ``mallopt`` (not glibc) or the value is outside (0, 32 MiB]."""
+HeapPolicy = Literal["keep", "glibc"] | int
+
+
+def parse_heap_policy(text: str) -> HeapPolicy:
+    """``keep``, ``glibc`` or a threshold in bytes, 1..32 MiB (ValueError otherwise)."""
+    if text in ("keep", "glibc"):
+        return text  # type: ignore[return-value]
+    nbytes = int(text)
     if not 0 < nbytes <= MAX_MMAP_THRESHOLD:
+        raise ValueError(f"an mmap threshold is 1..{MAX_MMAP_THRESHOLD} bytes, got {nbytes}")
+    return nbytes
+
+
+def apply_heap_policy(policy: HeapPolicy) -> bool:
+    """Set this process's policy before the model loads. False where the C library has no ``mallopt``
+    (not glibc) or refused a value; ``glibc`` changes nothing and returns True."""
+    if policy == "glibc":
+        return True
+    mallopt = _mallopt()
+    if mallopt is None:
         return False
+    if policy == "keep":
+        return mallopt(_M_MMAP_THRESHOLD, MAX_MMAP_THRESHOLD) == 1 and mallopt(_M_TRIM_THRESHOLD, _NEVER_TRIM) == 1
+    return mallopt(_M_MMAP_THRESHOLD, policy) == 1
+
+
+def _mallopt():  # noqa: ANN202 - a ctypes function
     name = ctypes.util.find_library("c")
     if name is None:
-        return False
+        return None
     try:
         libc = ctypes.CDLL(name)
     except OSError:
-        return False
+        return None
     mallopt = getattr(libc, "mallopt", None)
     if mallopt is None:
-        return False
+        return None
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
     mallopt.restype = ctypes.c_int
-    return mallopt(_M_MMAP_THRESHOLD, nbytes) == 1
+    return mallopt
