@@ -9,6 +9,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 from worker_svc.config.engine_config import EngineConfig
+from worker_svc.executor.native_memory import HeapPolicy
 from worker_svc.parallel.collective_observer import CollectiveObserver
 
 if TYPE_CHECKING:  # the executor (and the model stack) is imported when a runner is opened
@@ -18,10 +19,11 @@ if TYPE_CHECKING:  # the executor (and the model stack) is imported when a runne
 @contextmanager
 def open_runner(engine_config: EngineConfig, tp: int = 1, tp_init_addr: str | None = None,
                 threads: int | None = None, observer: CollectiveObserver | None = None,
-                tp_comm: str = "auto") -> Iterator[StepRunner]:
+                tp_comm: str = "auto", heap_policy: HeapPolicy = "glibc") -> Iterator[StepRunner]:
     """Yields a ModelRunner (tp == 1) or a LeaderRunner over rank 0 of ``tp`` ranks; stops and joins
     the followers and destroys the group on exit. ``observer`` sees the leader's collectives (a single
-    rank has none). ``tp_comm``: --tp-comm (parallel/group.py)."""
+    rank has none). ``tp_comm``: --tp-comm (parallel/group.py). ``heap_policy``: the followers'
+    native-heap policy (executor/native_memory.py; the caller sets its own)."""
     from worker_svc.executor.model_runner import ModelRunner
 
     if tp < 1:
@@ -33,7 +35,7 @@ def open_runner(engine_config: EngineConfig, tp: int = 1, tp_init_addr: str | No
     from worker_svc.parallel.group import destroy_tp, free_port, init_tp, rank_device
 
     addr = tp_init_addr or f"127.0.0.1:{free_port()}"
-    followers = spawn_followers(tp, addr, [engine_config], threads=threads, comm=tp_comm)
+    followers = spawn_followers(tp, addr, [engine_config], threads=threads, comm=tp_comm, heap_policy=heap_policy)
     group = init_tp(0, tp, addr, engine_config.device, observer=observer, comm=tp_comm)
     leader_failed = False
     try:

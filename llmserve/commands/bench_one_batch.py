@@ -11,7 +11,12 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from llmserve.commands.engine_args import add_engine_args, engine_config_from_args
+from llmserve.commands.engine_args import (
+    add_engine_args,
+    add_heap_policy_arg,
+    apply_heap_policy_logged,
+    engine_config_from_args,
+)
 from worker_svc.config.tp_comm import TP_COMM_CHOICES, TP_COMM_HELP
 
 if TYPE_CHECKING:  # torch is imported when the command runs, not when the CLI parses arguments
@@ -53,6 +58,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                    help="--tp: rendezvous address (default: a free port on 127.0.0.1)")
     p.add_argument("--profile-collectives", action="store_true",
                    help="--tp: time the leader's collectives (all-reduce, all-gather, step broadcast) per step")
+    add_heap_policy_arg(p)
     p.set_defaults(func=run)
 
 
@@ -63,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
     from worker_svc.executor.compute_priority import lower_compute_priority
     from worker_svc.parallel.collective_observer import CollectiveRecorder
 
+    apply_heap_policy_logged(args.malloc_mmap_threshold)  # every rank's steps allocate as the worker's do
     if args.threads:
         torch.set_num_threads(args.threads)
     engine = engine_config_from_args(args)
@@ -73,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
     profiler = CollectiveProfiler(CollectiveRecorder()) if args.profile_collectives and args.tp > 1 else None
     observer = profiler.recorder if profiler is not None else None
     with open_runner(engine, args.tp, args.tp_init_addr, args.threads, observer=observer,
-                     tp_comm=args.tp_comm) as runner:
+                     tp_comm=args.tp_comm, heap_policy=args.malloc_mmap_threshold) as runner:
         return correctness(runner, args) if args.correct else latency(runner, args, profiler)
 
 

@@ -34,12 +34,16 @@ from typing import TYPE_CHECKING
 import structlog
 
 from llmserve.arg_types import add_metrics_port_arg, count, positive_count, positive_seconds
-from llmserve.commands.engine_args import add_engine_args, engine_config_from_args
+from llmserve.commands.engine_args import (
+    add_engine_args,
+    add_heap_policy_arg,
+    apply_heap_policy_logged,
+    engine_config_from_args,
+)
 from llmserve.logging import configure_logging
 from llmserve.security_args import add_server_args
 from worker_svc.config.tp_comm import TP_COMM_CHOICES, TP_COMM_HELP
 from worker_svc.config.tp_timeouts import TP_CONNECT_TIMEOUT_S, TP_SERVING_TIMEOUT_S
-from worker_svc.server.native_memory import MAX_MMAP_THRESHOLD, HeapPolicy, parse_heap_policy
 
 if TYPE_CHECKING:
     from llmserve.security import ServerSecurity
@@ -74,7 +78,7 @@ async def _serve(args: argparse.Namespace, security: ServerSecurity) -> int:
     from worker_svc.server.app import WorkerServer
     from worker_svc.server.loader_thread import run_in_own_thread
 
-    _native_heap_policy(args.malloc_mmap_threshold)
+    apply_heap_policy_logged(args.malloc_mmap_threshold)
     config = engine_config_from_args(args)
     size, rank, init_addr = _tp_layout(args)
     tp_secret = _tp_secret(args, os.environ) if size > 1 else None
@@ -191,24 +195,6 @@ def _delay_seconds(text: str) -> float:
     return value
 
 
-def _native_heap_policy(policy: HeapPolicy) -> None:
-    """Before the model loads: what glibc does with the large temporaries a step frees
-    (worker_svc/server/native_memory.py)."""
-    from worker_svc.server.native_memory import apply_heap_policy
-
-    if apply_heap_policy(policy):
-        log.info("native heap policy", malloc_mmap_threshold=policy)
-    else:
-        log.warning("--malloc-mmap-threshold not applied (not glibc)", malloc_mmap_threshold=policy)
-
-
-def _heap_policy_arg(text: str) -> HeapPolicy:
-    try:
-        return parse_heap_policy(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"keep, glibc or 1..{MAX_MMAP_THRESHOLD} bytes ({exc})") from None
-
-
 def worker_options(args: argparse.Namespace) -> WorkerOptions:
     from worker_svc.server.kv_events import KvEventsOptions
     from worker_svc.server.servicer import WorkerOptions
@@ -262,18 +248,7 @@ def add_worker_limit_args(g: argparse._ArgumentGroup) -> None:
         help="with work pending, no engine step completing for this long makes the worker unhealthy "
         "(NOT_SERVING, new requests UNAVAILABLE)",
     )
-    g.add_argument(
-        "--malloc-mmap-threshold",
-        type=_heap_policy_arg,
-        default="keep",
-        metavar="keep|glibc|BYTES",
-        help="what glibc does with the large temporaries an engine step frees "
-        "(worker_svc/server/native_memory.py). keep (default): they stay in the heap for the next steps, "
-        "no page faults per step, RSS levels off at a step's high-water mark. glibc: the C library's "
-        "self-raising threshold and trimming (a prefill step pays tens of thousands of page faults). "
-        "BYTES (at most 32 MiB, e.g. 4194304): temporaries above it go back to the kernel when freed, so "
-        "RSS stays flat under traffic of changing shapes, at the cost of system CPU time",
-    )
+    add_heap_policy_arg(g)
     g.add_argument(
         "--max-queued-requests",
         type=count,

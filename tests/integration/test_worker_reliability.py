@@ -467,7 +467,7 @@ def worker_rss_under_mixed_prompts(
 @pytest.mark.slow
 def test_worker_rss_levels_off_under_every_heap_policy(worker_model, worker_process_factory):
     """F12: RSS rises with traffic of changing shapes to a plateau and then stays, under each native-heap
-    policy of `--malloc-mmap-threshold` (worker_svc/server/native_memory.py): keep (the default since
+    policy of `--malloc-mmap-threshold` (worker_svc/executor/native_memory.py): keep (the default since
     2026-12-06), glibc and a fixed threshold. When F12 was found glibc's policy rose 2.5x (its
     self-raising mmap threshold kept freed temporaries in the heap) and the fixed threshold kept it near
     idle. Since then the prefix cache is on by default and keeps past prompts' KV pages and tree nodes (up

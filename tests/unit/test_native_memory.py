@@ -1,4 +1,4 @@
-"""The worker's native-heap policies (worker_svc/server/native_memory.py), observed in a fresh process
+"""The worker's native-heap policies (worker_svc/executor/native_memory.py), observed in a fresh process
 (mallopt changes the whole process): page faults while a large temporary is freed and allocated again."""
 
 from __future__ import annotations
@@ -8,14 +8,14 @@ import sys
 
 import pytest
 
-from worker_svc.server.native_memory import MAX_MMAP_THRESHOLD, parse_heap_policy
+from worker_svc.executor.native_memory import MAX_MMAP_THRESHOLD, parse_heap_policy
 
 _ROUNDS = 20
 _BLOCK = 8 << 20  # a prefill step's activation: above glibc's start threshold, below 32 MiB
 
 _CHILD = f"""
 import resource, sys
-from worker_svc.server.native_memory import apply_heap_policy, parse_heap_policy
+from worker_svc.executor.native_memory import apply_heap_policy, parse_heap_policy
 assert apply_heap_policy(parse_heap_policy(sys.argv[1]))
 def step():  # two temporaries of a step, zero-filled: every page touched
     first, second = bytearray({_BLOCK}), bytearray({_BLOCK})

@@ -19,6 +19,7 @@ from worker_svc.config.tp_timeouts import TP_UNWATCHED_TIMEOUT_S
 from worker_svc.executor.compute_priority import lower_compute_priority
 from worker_svc.executor.kernel_choice import KernelPlan
 from worker_svc.executor.model_runner import ModelRunner
+from worker_svc.executor.native_memory import HeapPolicy, apply_heap_policy
 from worker_svc.executor.step_runner import StepRunner
 from worker_svc.forward_batch import FatalStepError, StepInput
 from worker_svc.kvcache import KVCache
@@ -188,8 +189,9 @@ def run_follower(
 
 def _spawned_follower(
     index: int, size: int, init_addr: str, engine_configs: list[EngineConfig], threads: int | None,
-    timeout_s: float | None, comm: str,
+    timeout_s: float | None, comm: str, heap_policy: HeapPolicy,
 ) -> None:
+    apply_heap_policy(heap_policy)  # before the model loads
     run_follower(index + 1, size, init_addr, engine_configs, threads, timeout_s, comm)
 
 
@@ -200,10 +202,12 @@ def spawn_followers(
     threads: int | None = None,
     timeout_s: float | None = None,
     comm: str = "auto",
+    heap_policy: HeapPolicy = "glibc",
 ) -> mp.ProcessContext:
     """Start ranks 1..size-1 as spawned processes (the caller is rank 0); returns the process context
-    (``join()`` it after stopping the followers). ``comm``: --tp-comm (parallel/group.py)."""
-    args = (size, init_addr, engine_configs, threads, timeout_s, comm)
+    (``join()`` it after stopping the followers). ``comm``: --tp-comm (parallel/group.py). ``heap_policy``:
+    theirs (native_memory.py)."""
+    args = (size, init_addr, engine_configs, threads, timeout_s, comm, heap_policy)
     context = mp.spawn(_spawned_follower, args=args, nprocs=size - 1, join=False)
     assert context is not None  # join=False always returns the context
     return context
