@@ -8,6 +8,8 @@
 
 #include <immintrin.h>
 
+#include <type_traits>
+
 namespace llmserve {
 
 #define LLMSERVE_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
@@ -91,11 +93,23 @@ LLMSERVE_AVX512 inline __m512 load16(const c10::BFloat16* p) {
 LLMSERVE_AVX512 inline __m512 load16(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
+LLMSERVE_AVX512 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 LLMSERVE_AVX512 inline void store16(c10::BFloat16* p, __m512 v) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_bf16(v));
 }
 LLMSERVE_AVX512 inline void store16(c10::Half* p, __m512 v) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+
+// v rounded to T (bf16 / fp16) and back: where the torch path rounds an intermediate result (round_through's 16 lanes).
+template <typename T>
+LLMSERVE_AVX512 inline __m512 round_through16(__m512 v) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(v), 16));
+  } else {
+    return _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
 }
 
 }  // namespace llmserve
