@@ -13,7 +13,8 @@ Three policies (``llmserve worker --malloc-mmap-threshold``):
   reuse the blocks the steps before freed: no page faults in steady state, and RSS levels off at the
   high-water mark of a step's temporaries. Measured on the real model (SmolLM2-135M, a 4 x 128-token
   prefill step, 2-core AMX Xeon, 2026-12-06): glibc's policy took 32-38k page faults and 41-52 ms of
-  system time a step (of ~110-160 ms), ``keep`` none.
+  system time a step (of ~110-160 ms), ``keep`` none; a serving worker took 290-610k faults per 64
+  prompts of 128 tokens under glibc's, under 130 with ``keep`` (benchmarks/heap_policy_ab.sh).
 - ``glibc``: glibc's self-raising threshold and trimming, as the C library ships.
 - a size in bytes (at most 32 MiB, e.g. 4194304): temporaries above it are unmapped on free, so RSS stays
   near idle under traffic of changing shapes (review F12), at the cost of an mmap, page faults and an
