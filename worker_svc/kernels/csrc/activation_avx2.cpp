@@ -17,7 +17,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <type_traits>
 #include <vector>
 
 #include "avx512.h"
@@ -34,12 +33,11 @@ using llmserve::store16;
 using llmserve::store8;
 
 // silu(g) * u for 16 lanes in fp32 (g, u already widened), silu rounded to T first as torch rounds it.
-LLMSERVE_AVX512 inline __m512 silu_mul16(__m512 g, __m512 u, bool bf16) {
+template <typename T>
+LLMSERVE_AVX512 inline __m512 silu_mul16(__m512 g, __m512 u) {
   // g / (1 + e^-g): e^-g = +inf below g = -88.7 makes it -0, as in torch.
   const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), llmserve::exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-  const __m512 rounded = bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(llmserve::bf16_bits(silu), 16))
-                              : _mm512_cvtph_ps(_mm512_cvtps_ph(silu, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-  return _mm512_mul_ps(rounded, u);
+  return _mm512_mul_ps(llmserve::round_through16<T>(silu), u);
 }
 
 // One row's [0, d16) on AVX-512 (d16: d rounded down to 16); -> where the AVX2 loop continues.
@@ -47,7 +45,7 @@ template <typename T>
 LLMSERVE_AVX512 int64_t silu_mul_row_avx512(const T* gate, const T* up, int64_t d, T* dst) {
   int64_t i = 0;
   for (; i + 16 <= d; i += 16)
-    store16(dst + i, silu_mul16(load16(gate + i), load16(up + i), std::is_same_v<T, c10::BFloat16>));
+    store16(dst + i, silu_mul16<T>(load16(gate + i), load16(up + i)));
   return i;
 }
 
