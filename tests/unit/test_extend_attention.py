@@ -3,7 +3,8 @@ one request's new tokens over its cached prefix and themselves, causal. Held aga
 the same bf16 inputs, within what SDPA's flash kernel (the path it replaces) misses that reference by, across
 the shapes the kernel tiles differently: tokens and prefixes off the 4-row / 16-row / 32-row / 64-key blocks,
 GQA and MQA, MLA's wider keys, head sizes 32 to 192, the context read from a pool by slot or from strided
-views. The AMX path runs where the CPU has AMX-BF16 and is reported skipped elsewhere."""
+views, scores whose max keeps moving; and a step's requests in one call (the batched form) as each alone. The
+AMX path runs where the CPU has AMX-BF16 and is reported skipped elsewhere."""
 
 from __future__ import annotations
 
@@ -85,6 +86,31 @@ def test_equals_the_fp32_reference_as_closely_as_sdpa(impl, tokens, prefix, head
     assert torch.equal(ops.extend_attention(query, k_pool, v_pool, slots, prefix, scale, impl=impl), out)
 
 
+@pytest.mark.parametrize("slope", [0.05, 0.5, 4.0])
+@pytest.mark.parametrize("v_dim", [64, 128])
+@pytest.mark.parametrize("impl", [AVX512_BF16, AMX], ids=["avx512_bf16", "amx_bf16"])
+def test_scores_that_keep_rising_along_the_context(impl, v_dim, slope):
+    """Scores that grow with the key's position by `slope` a key (natural-log units): the running max moves in
+    every block, by less than the AMX path's lazy slack (0.05: ~2 log2 units a 32-key half), by more (0.5) and
+    by far more (4.0), so its value tiles (v_dim 64) are flushed and rescaled often, never, or every half."""
+    ops = _ops(impl)
+    tokens, prefix, heads, kv_heads, dim = 40, 300, 4, 2, v_dim
+    gen = torch.Generator().manual_seed(11)
+    context = prefix + tokens
+    query = torch.randn(tokens, heads, dim, generator=gen).bfloat16()
+    keys = torch.randn(context, kv_heads, dim, generator=gen)
+    query[:, :, 0] = 1.0
+    keys[:, :, 0] = torch.arange(context, dtype=torch.float32)[:, None] * slope * dim**0.5  # score += slope * position
+    keys = keys.bfloat16()
+    values = torch.randn(context, kv_heads, v_dim, generator=gen).bfloat16()
+    scale = dim**-0.5
+    expected, mask = _reference(query, keys, values, prefix, scale)
+    out = ops.extend_attention(query, keys, values, None, prefix, scale, impl=impl)
+    sdpa_error = (_sdpa(query, keys, values, mask, scale).float() - expected).abs().max().item()
+    error = (out.float() - expected).abs().max().item()
+    assert error <= 1.25 * sdpa_error + 2e-3, (error, sdpa_error)
+
+
 @pytest.mark.parametrize("impl", [AVX512_BF16, AMX], ids=["avx512_bf16", "amx_bf16"])
 def test_reads_strided_views_as_the_model_hands_them_over(impl):
     """q, k, v narrowed out of one qkv row ([tokens, q + 2 kv] wide), values with a head stride of their own."""
@@ -102,6 +128,69 @@ def test_reads_strided_views_as_the_model_hands_them_over(impl):
                                                  impl=impl))
     expected, _ = _reference(q, k, v, 0, scale)
     torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=0)
+
+
+@pytest.mark.parametrize("impl", [AVX512_BF16, AMX], ids=["avx512_bf16", "amx_bf16"])
+def test_a_steps_requests_in_one_call_equal_one_call_each(impl):
+    """The batched form (one call a layer for a step's extends): requests with no prefix, a prefix mid-block and a
+    long one, one to 64 new tokens, their new K/V read from the step's k / v and their prefixes from the pool; each
+    request's rows bit for bit as the one-request call gives them, and rows of no request (a mixed step's decode
+    rows) left as they were."""
+    ops = _ops(impl)
+    heads, kv_heads, dim = 9, 3, 64
+    gen = torch.Generator().manual_seed(5)
+    requests = [(0, 20), (70, 1), (512, 64), (3, 33), (130, 17)]  # (prefix, new tokens)
+    gap = 2  # unrelated rows between requests
+    q_starts, start = [], 0
+    for _, tokens in requests:
+        q_starts.append(start)
+        start += tokens + gap
+    rows = start
+    q = torch.randn(rows, heads, dim, generator=gen).bfloat16()
+    k = torch.randn(rows, kv_heads, dim, generator=gen).bfloat16()
+    v = torch.randn(rows, kv_heads, dim, generator=gen).bfloat16()
+    pool_rows = 2000
+    k_pool = torch.randn(pool_rows, kv_heads, dim, generator=gen).bfloat16()
+    v_pool = torch.randn(pool_rows, kv_heads, dim, generator=gen).bfloat16()
+    free = torch.randperm(pool_rows, generator=gen)
+    prefix_slots, expected, used = [], [], 0
+    for (prefix, tokens), q0 in zip(requests, q_starts, strict=True):
+        cached = free[used : used + prefix]
+        new = free[used + prefix : used + prefix + tokens]
+        used += prefix + tokens
+        k_pool[new], v_pool[new] = k[q0 : q0 + tokens], v[q0 : q0 + tokens]  # as the backend stores them first
+        prefix_slots.append(cached)
+        expected.append(ops.extend_attention(q[q0 : q0 + tokens], k_pool, v_pool, torch.cat((cached, new)), prefix,
+                                             0.125, impl=impl))
+    out = torch.full((rows, heads, dim), 7.0).bfloat16()
+    ops.extend_attention_batch(q, k, v, k_pool, v_pool, torch.cat(prefix_slots), q_starts,
+                               [t for _, t in requests], [p for p, _ in requests], 0.125, impl, out)
+    for (_, tokens), q0, want in zip(requests, q_starts, expected, strict=True):
+        assert torch.equal(out[q0 : q0 + tokens], want)
+        assert (out[q0 + tokens : q0 + tokens + gap] == 7.0).all()
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (lambda a: {**a, "prefix_slots": a["prefix_slots"][:-1]}, "fewer than the prefixes"),
+        (lambda a: {**a, "prefix_slots": torch.cat((a["prefix_slots"], a["prefix_slots"]))}, "slots, the prefixes"),
+        (lambda a: {**a, "prefix_slots": a["prefix_slots"].clone().fill_(10_000)}, "out of range"),
+        (lambda a: {**a, "q_starts": [0, 7]}, "outside the 8 query rows"),
+        (lambda a: {**a, "extend_lens": [4]}, "one entry per request"),
+        (lambda a: {**a, "out": a["out"][:, :4]}, "out must be a contiguous bfloat16"),
+        (lambda a: {**a, "v": a["v"][:4]}, "must match q"),
+    ],
+)
+def test_the_batched_form_refuses_bad_arguments_with_the_reason(change, message):
+    ops = _ops()
+    args = {"q": torch.zeros(8, 9, 64).bfloat16(), "k": torch.zeros(8, 3, 64).bfloat16(),
+            "v": torch.zeros(8, 3, 64).bfloat16(), "k_pool": torch.zeros(16, 3, 64).bfloat16(),
+            "v_pool": torch.zeros(16, 3, 64).bfloat16(), "prefix_slots": torch.arange(5), "q_starts": [0, 4],
+            "extend_lens": [4, 4], "prefix_lens": [2, 3], "scale": 0.125, "impl": 0,
+            "out": torch.zeros(8, 9, 64).bfloat16()}
+    with pytest.raises(RuntimeError, match=message):
+        ops.extend_attention_batch(**change(args))
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,7 @@
 """Which kernel runs an extend's attention (one request's new tokens over its prefix and themselves): SDPA
 (attention/sdpa.py) or this project's flash kernel (kernels/csrc/extend_attention_avx512.cpp) on AVX512-BF16
-or on AMX tiles, as the kernel plan chose (executor/kernel_choice.py). Shared by the MHA and MLA backends."""
+or on AMX tiles, as the kernel plan chose (executor/kernel_choice.py). Shared by the MHA and MLA backends; the
+MHA backend runs a step's requests in one call of the kernel's batched form."""
 
 from __future__ import annotations
 
@@ -23,3 +24,11 @@ def extend_kernel(extend_impl: str, cpu_ops: object | None) -> Callable[..., Any
     if cpu_ops is None:
         raise ValueError(f"extend_impl {extend_impl!r} needs the CPU kernels (layers.cpu_ext.load())")
     return functools.partial(cpu_ops.extend_attention, impl=_KERNEL_IMPL[extend_impl])  # type: ignore[attr-defined]
+
+
+def extend_batch_kernel(extend_impl: str, cpu_ops: object | None) -> Callable[..., Any] | None:
+    """The C++ extend attention over a step's requests in one call
+    (``torch.ops.llmserve_cpu.extend_attention_batch``) bound to the path ``extend_impl`` names, None for SDPA."""
+    if extend_kernel(extend_impl, cpu_ops) is None or cpu_ops is None:
+        return None
+    return functools.partial(cpu_ops.extend_attention_batch, impl=_KERNEL_IMPL[extend_impl])  # type: ignore[attr-defined]

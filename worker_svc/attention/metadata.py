@@ -29,11 +29,23 @@ class OneTokenRows:
 
 
 @dataclass
+class ExtendRows:
+    """The requests an extend step attends as extends (all but ``one_token``'s), as the batched extend kernel
+    takes them: their rows in the packed new tokens and their cached slots, concatenated in order."""
+
+    q_starts: list[int]
+    lens: list[int]  # new tokens
+    prefix_lens: list[int]
+    prefix_slots: torch.Tensor  # [sum of prefix_lens] int64
+
+
+@dataclass
 class ExtendMetadata:
     token_offsets: list[int]  # start of each request in the packed new tokens
     # per request: all cached slots, None when there is no prefix (or the request is in one_token)
     context_slots: list[torch.Tensor | None]
     masks: list[torch.Tensor | None]  # per request [extend, seq] bool, None for a plain causal prefill
+    extends: ExtendRows
     one_token: OneTokenRows | None = None  # only when asked for (prepare_extend's group_one_token)
 
 
@@ -77,24 +89,34 @@ def prepare_extend(batch: ForwardBatch, group_one_token: bool = False) -> Extend
     slots: list[torch.Tensor | None] = []
     masks: list[torch.Tensor | None] = []
     one_token: list[int] = []
+    extends = ExtendRows(q_starts=[], lens=[], prefix_lens=[], prefix_slots=torch.empty(0, dtype=torch.int64))
+    prefix_slots: list[torch.Tensor] = []
     offset = 0
     device = batch.input_ids.device
     for i, (row, prefix, seq) in enumerate(zip(batch.req_rows.tolist(), batch.prefix_lens, batch.seq_lens,
                                                strict=True)):
         offsets.append(offset)
+        if prefix > 0 and group_one_token and seq - prefix == 1:
+            one_token.append(i)
+        else:
+            extends.q_starts.append(offset)
+            extends.lens.append(seq - prefix)
+            extends.prefix_lens.append(prefix)
+            if prefix > 0:
+                prefix_slots.append(batch.req_to_token[row, :prefix])
         offset += seq - prefix
         if prefix == 0 or (group_one_token and seq - prefix == 1):
             slots.append(None)
             masks.append(None)
-            if prefix > 0:
-                one_token.append(i)
             continue
         slots.append(batch.req_to_token[row, :seq])
         # Query i (absolute position prefix + i) sees keys 0 .. prefix + i.
         q_pos = torch.arange(prefix, seq, device=device)[:, None]
         k_pos = torch.arange(seq, device=device)[None, :]
         masks.append(k_pos <= q_pos)
-    return ExtendMetadata(token_offsets=offsets, context_slots=slots, masks=masks,
+    if prefix_slots:
+        extends.prefix_slots = torch.cat(prefix_slots).to(torch.int64)
+    return ExtendMetadata(token_offsets=offsets, context_slots=slots, masks=masks, extends=extends,
                           one_token=_one_token_rows(batch, one_token, offsets) if one_token else None)
 
 

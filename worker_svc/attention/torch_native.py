@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from worker_svc.attention.base import AttentionLayer
-from worker_svc.attention.extend_kernel import extend_kernel
+from worker_svc.attention.extend_kernel import extend_batch_kernel
 from worker_svc.attention.metadata import DecodeMetadata, ExtendMetadata, prepare_decode_fixed, prepare_metadata
 from worker_svc.attention.sdpa import attend_tokens_first
 from worker_svc.forward_batch import ForwardBatch, ForwardMode
@@ -58,7 +58,7 @@ class TorchNativeAttentionBackend:
             raise ValueError("decode_impl 'avx2' needs the CPU kernels (layers.cpu_ext.load())")
         self.decode_impl = decode_impl
         self.cpu_ops = cpu_ops
-        self._extend_kernel = extend_kernel(extend_impl, cpu_ops)
+        self._extend_kernel = extend_batch_kernel(extend_impl, cpu_ops)
         self.row_wise = row_wise
         if row_wise and decode_impl != "avx2":
             decode_impl = "row_wise"
@@ -155,7 +155,7 @@ class TorchNativeAttentionBackend:
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch
     ) -> torch.Tensor:
         meta: ExtendMetadata = batch.attn_metadata
-        out = torch.empty_like(q)
+        out = q.new_empty(q.shape)  # contiguous, whatever q's row stride
         k_buf, v_buf = _mha_pool(batch).buffers(layer.layer_id)
         grouped: set[int] = set()
         if meta.one_token is not None:
@@ -163,16 +163,18 @@ class TorchNativeAttentionBackend:
             grouped = set(one.requests)
             rows = q.index_select(0, one.tokens)  # [n, q_heads, head_dim]
             out.index_copy_(0, one.tokens, self._decode(rows, layer, batch, one.decode))
+        if self._extend_kernel is not None and q.dtype == torch.bfloat16:
+            # Every extend in one call: the kernel reads prefixes from the pool by slot and the new tokens' K/V
+            # from k / v, and writes their rows of out.
+            ext = meta.extends
+            self._extend_kernel(q, k, v, k_buf, v_buf, ext.prefix_slots, ext.q_starts, ext.lens, ext.prefix_lens,
+                                layer.scaling, out=out)
+            return out
         for i, start in enumerate(meta.token_offsets):
             if i in grouped:
                 continue
             end = start + batch.seq_lens[i] - batch.prefix_lens[i]
-            if self._extend_kernel is not None and q.dtype == torch.bfloat16:
-                slots = meta.context_slots[i]  # None: no prefix, the context is the new tokens' K/V
-                keys, values = (k[start:end], v[start:end]) if slots is None else (k_buf, v_buf)
-                out[start:end] = self._extend_kernel(q[start:end], keys, values, slots, batch.prefix_lens[i],
-                                                     layer.scaling)
-            elif meta.context_slots[i] is None:
+            if meta.context_slots[i] is None:
                 out[start:end] = attend_tokens_first(
                     q[start:end], k[start:end], v[start:end], is_causal=True, scale=layer.scaling, enable_gqa=True
                 )

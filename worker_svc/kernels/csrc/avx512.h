@@ -62,9 +62,10 @@ LLMSERVE_AVX512 inline __m512 exp16(__m512 x) {
   return _mm512_maskz_scalef_ps(live, y, n);  // y 2^n: saturates to +inf for n = 128
 }
 
-// 2^x for x <= 0 (or -inf, which gives exactly 0), within 2 ulp: x = n + f, |f| <= 1/2, 2^f by a degree-5
-// polynomial (least squares on [-1/2, 1/2]), scaled by 2^n. Below 2^-126 it is 0.
-LLMSERVE_AVX512 inline __m512 exp2_nonpositive(__m512 x) {
+// 2^x for x < 128 (or -inf, which gives exactly 0), within 2 ulp: x = n + f, |f| <= 1/2, 2^f by a degree-5
+// polynomial (least squares on [-1/2, 1/2]), scaled by 2^n. Below 2^-126 it is 0. The softmaxes call it on
+// scores at most their running max (x <= 0) or, with a lazily moved max, up to a few units above it.
+LLMSERVE_AVX512 inline __m512 exp2_below128(__m512 x) {
   const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.f), _CMP_GE_OQ);
   x = _mm512_max_ps(x, _mm512_set1_ps(-126.f));
   const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);

@@ -1,5 +1,7 @@
-// Extend (prefill) attention for bf16 on AVX512-BF16: one request's new tokens over its whole context, causal
-// with the cached prefix in front, in one flash-attention pass (attention/torch_native.py, _extend).
+// Extend (prefill) attention for bf16 on AVX512-BF16: each request's new tokens over its whole context, causal
+// with the cached prefix in front, in one flash-attention pass (attention/torch_native.py, _extend). One call
+// takes a step's requests (extend_attention_batch: prefixes read from the pool by slot, the new tokens' keys and
+// values from the step's own k / v), or one request (extend_attention: the MLA backend, tests).
 //
 // Why: SDPA's CPU flash kernel ran a 512-token causal prefill of SmolLM2's heads at ~70 GFLOP/s on the Zen 4
 // host, 31% of the prefill, where this library's packed bf16 linears run VDPBF16PS at ~440 (docs/benchmarks.md).
@@ -10,25 +12,28 @@
 // Scores stay fp32 (bf16 products are exact in fp32); the online softmax (running max and sum per row) is
 // fp32; P is rounded to bf16 for its product with V, as SDPA's kernel rounds it for bf16 inputs.
 //
-// Packing, per call (O(context x head dims), against the products' O(tokens x context x head dims)):
-//   keys   [kv_heads][key blocks][Dk / 2][64 keys][2]: a block's 4 vectors for one pair of dims adjacent.
-//   values [kv_heads][key pairs][Dv][2].
+// Packing, per kv head of a request (O(context x head dims), against the products' O(tokens x context x head
+// dims x query heads per kv head)):
+//   keys   [key blocks][Dk / 2][64 keys][2]: a block's 4 vectors for one pair of dims adjacent.
+//   values [key pairs][Dv][2].
 // Padding keys (to whole blocks of 64) are zeros, and masked: their probabilities are exactly 0.
 //
-// Threads take tasks (a query head x a block of 32 query rows) from a shared counter, the costliest (last
-// rows: the most keys) first.
+// Threads take units (a request's kv head, some of its query blocks: plan_units) from a shared counter, the
+// costliest first, and pack the unit's context themselves before running its tasks (a query head x a block of
+// 32 query rows, 16 on AMX), the last rows (the most keys) first.
 //
 // AMX (run_task_amx, CPUs with AMX-BF16, key heads a multiple of 32): the same packing is AMX's B operand
 // for both products, so each product is tile multiplies (TDPBF16PS: 16 x 32 by 32 x 16) instead of
 // broadcast VDPBF16PS: scores of 16 query rows x 64 keys are Dk / 32 x 4 tile products against the query rows
 // (A, 16 rows x 32 dims); P . V are 2 x Dv / 16 tile products of P (A: 16 rows x 32 keys, bf16) against the
 // packed values. Same fp32 scores and bf16 P as the AVX512-BF16 path; the block's P . V is added to the
-// running output (rescaled by the row's correction) in fp32. Tasks are 16 query rows. Its online softmax takes
-// the 16 rows together (the softmax, not the tile products, was half of a 64-token extend over a 512-token
-// prefix): row maxima and sums by one transposing reduction of the 16 rows (reduce_rows) instead of a horizontal
-// reduction per row, masks only in blocks some row sees in part, and exp2 of the scores scaled by
-// scale * log2(e) in one FMA (exp2_nonpositive: no range reduction by ln 2). Same accuracy (tests), 1.1-1.5x
-// faster a call on the AMX Xeon host (docs/benchmarks.md, 2026-12-05).
+// running output (rescaled by the row's correction) in fp32. Its online softmax takes the 16 rows together
+// (the softmax, not the tile products, was half of a 64-token extend over a 512-token prefix): row maxima and
+// sums by one transposing reduction of the 16 rows (reduce_rows) instead of a horizontal reduction per row,
+// masks only in blocks some row sees in part, and exp2 of the scores scaled by scale * log2(e) in one FMA
+// (exp2_below128: no range reduction by ln 2). Same accuracy (tests), 1.1-1.5x faster a call on the AMX Xeon
+// host (docs/benchmarks.md, 2026-12-05). Value heads of at most 64 dims keep the output in tiles instead
+// (run_task_amx_resident, a lazily moved max).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -50,7 +55,7 @@ namespace {
 
 using llmserve::cpu_has_avx512_bf16;
 using llmserve::dot_bf16;
-using llmserve::exp2_nonpositive;
+using llmserve::exp2_below128;
 using llmserve::first_lanes;
 
 constexpr int64_t kLanes = 16;
@@ -60,14 +65,19 @@ constexpr int kRows = 4;                           // query rows per score tile
 constexpr int64_t kQueryBlock = 32;                // query rows per task (a multiple of kRows)
 constexpr int64_t kValueChunk = 64;                // values accumulated per pass: 4 registers per row
 
-// Where a context row lives: keys / values [rows, kv_heads, D] (last dim contiguous, any row and head
-// strides), context row c at row slots[c] (or c without slots).
+// Where a request's context rows live: positions [0, split) in `cached` [rows, kv_heads, D] at row slots[c]
+// (or c without slots), positions [split, C) in `fresh` [rows, kv_heads, D] from its row 0 (the step's own
+// keys / values, not yet read back from the pool). Last dim contiguous, any row and head strides (elements).
 struct Source {
-  const uint16_t* base;
-  int64_t row_stride, head_stride;  // elements
+  const uint16_t* cached;
+  int64_t cached_row, cached_head;
   const int64_t* slots;
+  int64_t split;
+  const uint16_t* fresh;
+  int64_t fresh_row, fresh_head;
   const uint16_t* row(int64_t c, int64_t head) const {
-    return base + (slots ? slots[c] : c) * row_stride + head * head_stride;
+    if (c < split) return cached + (slots ? slots[c] : c) * cached_row + head * cached_head;
+    return fresh + (c - split) * fresh_row + head * fresh_head;
   }
 };
 
@@ -151,15 +161,15 @@ LLMSERVE_AVX512 void pack_value_block(const Source& values, int64_t h, int64_t b
   }
 }
 
+// One request and one kv head: its query rows, and its context packed for the head.
 struct Problem {
-  const uint16_t* q;
+  const uint16_t* q;      // the request's first query row
   int64_t q_row, q_head;  // elements between query rows, between heads
   int64_t T, prefix, Hq, Hkv, Dk, Dv;
   float scale;
-  const uint32_t* keys;    // packed, per kv head key_blocks * Dk / 2 * 64 words
-  const uint32_t* values;  // packed, per kv head key_blocks * 32 * Dv words
-  int64_t key_blocks;
-  uint16_t* out;  // [T, Hq, Dv]
+  const uint32_t* keys;    // the kv head's packed keys, key blocks x Dk / 2 x 64 words
+  const uint32_t* values;  // and values, key blocks x 32 x Dv words
+  uint16_t* out;  // the request's first output row, [T, Hq, Dv]
 };
 
 // The task's output rows: o [rows][Dv] / sum, rounded to bf16, to out[t0 + r][hq].
@@ -203,13 +213,13 @@ LLMSERVE_AVX512_BF16 void accumulate_values(float* o, int64_t Dv, const float* c
 
 // Query head hq, rows [t0, t0 + rows) of the block.
 LLMSERVE_AVX512_BF16 void run_task(const Problem& pb, int64_t hq, int64_t t0, int64_t rows, TaskState& st) {
-  const int64_t h = hq / (pb.Hq / pb.Hkv), pairs = pb.Dk / 2;
-  const uint32_t* keys = pb.keys + h * pb.key_blocks * pairs * kKeyBlock;
-  const uint32_t* values = pb.values + h * pb.key_blocks * (kKeyBlock / 2) * pb.Dv;
+  const int64_t pairs = pb.Dk / 2;
+  const uint32_t* keys = pb.keys;
+  const uint32_t* values = pb.values;
   std::fill(st.o.begin(), st.o.end(), 0.f);
   std::fill(st.max.begin(), st.max.end(), -std::numeric_limits<float>::infinity());
   std::fill(st.sum.begin(), st.sum.end(), 0.f);
-  // Scores in log2 units (scale * log2(e)): the softmax is exp2 (exp2_nonpositive), without exp's range reduction.
+  // Scores in log2 units (scale * log2(e)): the softmax is exp2 (exp2_below128), without exp's range reduction.
   const __m512 scale2 = _mm512_set1_ps(pb.scale * 1.44269504088896341f);
   const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   // The last row sees keys [0, prefix + t0 + rows).
@@ -254,12 +264,12 @@ LLMSERVE_AVX512_BF16 void run_task(const Problem& pb, int64_t hq, int64_t t0, in
         row_max = new_max;
       }
       alignas(64) float corr[kLanes];
-      _mm512_store_ps(corr, exp2_nonpositive(_mm512_load_ps(shift_by)));
+      _mm512_store_ps(corr, exp2_below128(_mm512_load_ps(shift_by)));
       for (int m = 0; m < kRows; ++m) {
         const __m512 shift = _mm512_set1_ps(st.max[r0 + m]);
         __m512 total = _mm512_setzero_ps();
         for (int v = 0; v < kKeyVecs; ++v) {
-          s[m][v] = exp2_nonpositive(_mm512_sub_ps(s[m][v], shift));
+          s[m][v] = exp2_below128(_mm512_sub_ps(s[m][v], shift));
           total = _mm512_add_ps(total, s[m][v]);
         }
         st.sum[r0 + m] = st.sum[r0 + m] * corr[m] + _mm512_reduce_add_ps(total);
@@ -369,9 +379,9 @@ LLMSERVE_AVX512 void mask_hidden_keys(float (&scores)[kAmxRows][kKeyBlock], int6
 
 // Query head hq, rows [t0, t0 + rows) (rows <= 16), as run_task computes them.
 LLMSERVE_AMX void run_task_amx(const Problem& pb, int64_t hq, int64_t t0, int64_t rows, AmxTaskState& st) {
-  const int64_t h = hq / (pb.Hq / pb.Hkv), pairs = pb.Dk / 2;
-  const uint32_t* keys = pb.keys + h * pb.key_blocks * pairs * kKeyBlock;
-  const uint32_t* values = pb.values + h * pb.key_blocks * (kKeyBlock / 2) * pb.Dv;
+  const int64_t pairs = pb.Dk / 2;
+  const uint32_t* keys = pb.keys;
+  const uint32_t* values = pb.values;
   std::fill(st.q.begin(), st.q.end(), uint16_t{0});
   for (int64_t m = 0; m < rows; ++m)
     std::memcpy(st.q.data() + m * pb.Dk, pb.q + (t0 + m) * pb.q_row + hq * pb.q_head, pb.Dk * sizeof(uint16_t));
@@ -406,7 +416,7 @@ LLMSERVE_AMX void run_task_amx(const Problem& pb, int64_t hq, int64_t t0, int64_
     const __m512 new_max = _mm512_max_ps(old_max, reduce_rows<Max>(row_peaks));
     _mm512_store_ps(st.max, new_max);
     alignas(64) float corr[kAmxRows], shift[kAmxRows];
-    const __m512 corr16 = exp2_nonpositive(_mm512_mul_ps(_mm512_sub_ps(old_max, new_max), scale2));
+    const __m512 corr16 = exp2_below128(_mm512_mul_ps(_mm512_sub_ps(old_max, new_max), scale2));
     _mm512_store_ps(corr, corr16);
     _mm512_store_ps(shift, _mm512_mul_ps(new_max, scale2));
     __m512 row_sums[kAmxRows];
@@ -414,7 +424,7 @@ LLMSERVE_AMX void run_task_amx(const Problem& pb, int64_t hq, int64_t t0, int64_
       const __m512 by = _mm512_set1_ps(shift[m]);
       __m512 e[kKeyVecs];
       for (int v = 0; v < kKeyVecs; ++v)
-        e[v] = exp2_nonpositive(_mm512_fmsub_ps(_mm512_load_ps(st.scores[m] + v * kLanes), scale2, by));
+        e[v] = exp2_below128(_mm512_fmsub_ps(_mm512_load_ps(st.scores[m] + v * kLanes), scale2, by));
       row_sums[m] = _mm512_add_ps(_mm512_add_ps(e[0], e[1]), _mm512_add_ps(e[2], e[3]));
       for (int v = 0; v < kKeyVecs; v += 2) {
         const __m512bh pair = _mm512_cvtne2ps_pbh(e[v + 1], e[v]);  // keys 16 v .. 16 v + 31 in order
@@ -444,18 +454,153 @@ LLMSERVE_AMX void run_task_amx(const Problem& pb, int64_t hq, int64_t t0, int64_
   store_rows(pb, hq, t0, rows, st.o.data(), st.sum);
 }
 
-LLMSERVE_AMX void run_tasks_amx(const Problem& pb, std::atomic<int64_t>& next, int64_t query_blocks) {
-  llmserve::load_amx_tile_config();  // tile state is per thread
-  AmxTaskState st;
-  st.q.resize(kAmxRows * pb.Dk);
-  st.o.resize(kAmxRows * pb.Dv);
-  const int64_t tasks = query_blocks * pb.Hq;
-  for (int64_t i = next++; i < tasks; i = next++) {
-    const int64_t qb = query_blocks - 1 - i / pb.Hq, hq = i % pb.Hq;  // the last blocks (most keys) first
-    const int64_t t0 = qb * kAmxRows;
-    run_task_amx(pb, hq, t0, std::min(kAmxRows, pb.T - t0), st);
+// ---- AMX, value accumulators held in tiles (value heads of at most 64 dims) ------------------------------
+//
+// run_task_amx stores each block's P . V from its tiles and adds it to the fp32 output, rescaled by the rows'
+// correction: 4 tile stores and 16 x 64 loads, FMAs and stores a block, a third of a 64-token extend over a
+// 512-token prefix. Here the output stays in tiles 0-3 across the blocks, which the running max allows only
+// while it does not move: the max is moved lazily, when a row's scores exceed it by more than
+// kLazyMaxSlack (in log2 units), so probabilities are at most 2^kLazyMaxSlack (bf16 and fp32 hold that, and
+// the rounding of P is relative, so the accuracy is the same). When the max moves, the tiles are flushed into
+// the fp32 output and rescaled there; with typical scores that happens in the first blocks only.
+// Tiles: 0-3 the output (16 rows x 16 dims each), 4-5 the scores of 32 keys (half a packed block: the other
+// two tiles hold the output), 6 A (query rows, then P), 7 B.
+constexpr float kLazyMaxSlack = 8.f;
+constexpr int64_t kHalfBlock = kKeyBlock / 2;
+
+struct AmxResidentState {
+  std::vector<uint16_t> q;                         // [16][Dk]: the task's query rows, zero past the last
+  alignas(64) float o[kAmxRows][4 * kAmxDimGroup];  // fp32 output flushed from tiles 0-3, at the max `used`
+  alignas(64) float used[kAmxRows];                // per row: the max the probabilities are taken against
+  alignas(64) float sum[kAmxRows];                 // and the sum of those probabilities
+  alignas(64) float scores[kAmxRows][kHalfBlock];  // tiles 4-5
+  alignas(64) uint16_t probs[kAmxRows][kHalfBlock];  // P of the half block in bf16: A of the value product
+  alignas(64) float pv[kAmxRows][4 * kAmxDimGroup];  // tiles 0-3 stored
+};
+
+// o = (o + tiles 0..groups-1) * corr[row]; the tiles are left as they were (the caller zeroes them).
+LLMSERVE_AMX void flush_output_tiles(AmxResidentState& st, int groups, const float* corr) {
+  store_tiles(groups, &st.pv[0][0], 4 * kAmxDimGroup * sizeof(float));
+  for (int64_t m = 0; m < kAmxRows; ++m) {
+    const __m512 c = _mm512_set1_ps(corr[m]);
+    for (int g = 0; g < groups; ++g) {
+      float* o = st.o[m] + g * kLanes;
+      _mm512_store_ps(o, _mm512_mul_ps(_mm512_add_ps(_mm512_load_ps(o), _mm512_load_ps(st.pv[m] + g * kLanes)), c));
+    }
   }
-  _tile_release();
+}
+
+// Scores of half a block some rows see only in part: row m (up to the last live row, `rows` - 1) sees its first
+// `first_row_sees` + m of the 32 keys (clamped to [0, 32]); the rest become -inf.
+LLMSERVE_AVX512 void mask_hidden_half(float (&scores)[kAmxRows][kHalfBlock], int64_t first_row_sees, int64_t rows) {
+  const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t m = 0; m < kAmxRows; ++m) {
+    const int64_t seen = std::clamp<int64_t>(first_row_sees + std::min(m, rows - 1), 0, kHalfBlock);
+    for (int v = 0; v < 2; ++v) {
+      const __mmask16 hide = static_cast<__mmask16>(~first_lanes(seen - v * kLanes));
+      if (hide != 0) _mm512_mask_storeu_ps(scores[m] + v * kLanes, hide, minus_inf);
+    }
+  }
+}
+
+// Query head hq, rows [t0, t0 + rows) (rows <= 16), value heads of Dv <= 64: run_task_amx's result, the output
+// accumulated in tiles.
+LLMSERVE_AMX void run_task_amx_resident(const Problem& pb, int64_t hq, int64_t t0, int64_t rows,
+                                        AmxResidentState& st) {
+  const int64_t pairs = pb.Dk / 2;
+  const uint32_t* keys = pb.keys;
+  const uint32_t* values = pb.values;
+  const int groups = static_cast<int>(pb.Dv / kAmxDimGroup);  // 1..4 output tiles
+  std::fill(st.q.begin(), st.q.end(), uint16_t{0});
+  for (int64_t m = 0; m < rows; ++m)
+    std::memcpy(st.q.data() + m * pb.Dk, pb.q + (t0 + m) * pb.q_row + hq * pb.q_head, pb.Dk * sizeof(uint16_t));
+  std::memset(st.o, 0, sizeof(st.o));
+  std::fill(st.used, st.used + kAmxRows, -std::numeric_limits<float>::infinity());
+  std::fill(st.sum, st.sum + kAmxRows, 0.f);
+  zero_tiles(groups);
+  bool tiles_hold_output = false;  // nothing to flush before the first half's P . V
+  const __m512 scale2 = _mm512_set1_ps(pb.scale * 1.44269504088896341f);  // scores -> log2 units
+  const __m512 slack = _mm512_set1_ps(kLazyMaxSlack);
+  // The last live row sees keys [0, prefix + t0 + rows): whole halves up to that.
+  const int64_t halves = (pb.prefix + t0 + rows + kHalfBlock - 1) / kHalfBlock;
+  for (int64_t hb = 0; hb < halves; ++hb) {
+    const int64_t b = hb / 2, half = hb % 2;
+    // Scores: 16 rows x 32 keys in tiles 4-5, Dk / 32 steps (B: 16 dim pairs x 16 keys, 256 bytes a row).
+    const uint32_t* kb = keys + b * pairs * kKeyBlock + half * kHalfBlock;
+    _tile_zero(4);
+    _tile_zero(5);
+    for (int64_t kc = 0; kc < pb.Dk; kc += llmserve::kAmxTileK) {
+      _tile_loadd(6, st.q.data() + kc, pb.Dk * sizeof(uint16_t));
+      _tile_loadd(7, kb + (kc / 2) * kKeyBlock, kKeyBlock * sizeof(uint32_t));
+      _tile_dpbf16ps(4, 6, 7);
+      _tile_loadd(7, kb + (kc / 2) * kKeyBlock + kAmxDimGroup, kKeyBlock * sizeof(uint32_t));
+      _tile_dpbf16ps(5, 6, 7);
+    }
+    _tile_stored(4, &st.scores[0][0], kHalfBlock * sizeof(float));
+    _tile_stored(5, &st.scores[0][0] + kAmxDimGroup, kHalfBlock * sizeof(float));
+    const int64_t first_row_sees = pb.prefix + t0 + 1 - hb * kHalfBlock;
+    if (first_row_sees < kHalfBlock) mask_hidden_half(st.scores, first_row_sees, rows);
+    __m512 row_peaks[kAmxRows];
+    for (int64_t m = 0; m < kAmxRows; ++m)
+      row_peaks[m] = _mm512_max_ps(_mm512_load_ps(st.scores[m]), _mm512_load_ps(st.scores[m] + kLanes));
+    // The half's max per row in log2 units (-inf for a row that sees none of it; every row sees key 0, so the
+    // first half sets a finite max for all).
+    const __m512 peak = _mm512_mul_ps(reduce_rows<Max>(row_peaks), scale2);
+    const __m512 used = _mm512_load_ps(st.used);
+    if (_mm512_cmp_ps_mask(peak, _mm512_add_ps(used, slack), _CMP_GT_OQ) != 0) {
+      const __m512 moved = _mm512_max_ps(used, peak);
+      alignas(64) float corr[kAmxRows];
+      const __m512 corr16 = exp2_below128(_mm512_sub_ps(used, moved));  // 2^-inf = 0 before the first half
+      _mm512_store_ps(corr, corr16);
+      if (tiles_hold_output) {
+        flush_output_tiles(st, groups, corr);
+        zero_tiles(groups);
+      }
+      _mm512_store_ps(st.sum, _mm512_mul_ps(_mm512_load_ps(st.sum), corr16));
+      _mm512_store_ps(st.used, moved);
+    }
+    alignas(64) float shift[kAmxRows];
+    _mm512_store_ps(shift, _mm512_load_ps(st.used));
+    __m512 row_sums[kAmxRows];
+    for (int64_t m = 0; m < kAmxRows; ++m) {
+      const __m512 by = _mm512_set1_ps(shift[m]);
+      const __m512 e0 = exp2_below128(_mm512_fmsub_ps(_mm512_load_ps(st.scores[m]), scale2, by));
+      const __m512 e1 = exp2_below128(_mm512_fmsub_ps(_mm512_load_ps(st.scores[m] + kLanes), scale2, by));
+      row_sums[m] = _mm512_add_ps(e0, e1);
+      const __m512bh pair = _mm512_cvtne2ps_pbh(e1, e0);  // the half's 32 keys in order
+      _mm512_store_si512(st.probs[m], reinterpret_cast<const __m512i&>(pair));
+    }
+    _mm512_store_ps(st.sum, _mm512_add_ps(_mm512_load_ps(st.sum), reduce_rows<Sum>(row_sums)));
+    // P . V into the output tiles: A = P (16 rows x 32 keys), B_g = 16 key pairs x dims 16 g .. 16 g + 15.
+    const uint32_t* vb = values + b * (kKeyBlock / 2) * pb.Dv + half * (kHalfBlock / 2) * pb.Dv;
+    const int64_t v_stride = pb.Dv * sizeof(uint32_t);
+    _tile_loadd(6, &st.probs[0][0], kHalfBlock * sizeof(uint16_t));
+    _tile_loadd(7, vb, v_stride);
+    _tile_dpbf16ps(0, 6, 7);
+    if (groups > 1) {
+      _tile_loadd(7, vb + kAmxDimGroup, v_stride);
+      _tile_dpbf16ps(1, 6, 7);
+    }
+    if (groups > 2) {
+      _tile_loadd(7, vb + 2 * kAmxDimGroup, v_stride);
+      _tile_dpbf16ps(2, 6, 7);
+    }
+    if (groups > 3) {
+      _tile_loadd(7, vb + 3 * kAmxDimGroup, v_stride);
+      _tile_dpbf16ps(3, 6, 7);
+    }
+    tiles_hold_output = true;
+  }
+  alignas(64) float one[kAmxRows];
+  std::fill(one, one + kAmxRows, 1.f);
+  flush_output_tiles(st, groups, one);
+  for (int64_t m = 0; m < rows; ++m) {
+    const __m512 inv = _mm512_set1_ps(1.f / st.sum[m]);
+    uint16_t* dst = pb.out + ((t0 + m) * pb.Hq + hq) * pb.Dv;
+    for (int g = 0; g < groups; ++g)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + g * kLanes),
+                          llmserve::to_bf16(_mm512_mul_ps(_mm512_load_ps(st.o[m] + g * kLanes), inv)));
+  }
 }
 
 bool amx_fits(int64_t Dk, int64_t Dv) { return llmserve::cpu_has_amx_bf16() && Dk % 32 == 0 && Dv % 16 == 0; }
@@ -463,10 +608,10 @@ bool amx_fits(int64_t Dk, int64_t Dv) { return llmserve::cpu_has_amx_bf16() && D
 // 1 = AVX512-BF16, 2 = AMX: the path impl 0 (auto) runs for these head sizes.
 int64_t auto_impl(int64_t Dk, int64_t Dv) { return amx_fits(Dk, Dv) ? 2 : 1; }
 
-// Room for a call's packed keys and values (every word is written by the packing), kept by the calling thread
-// for its next call: a fresh allocation of this size is mmapped and page-faulted on each call (one token over a
-// 575-token context: 107 -> 80 us a call with the buffer kept). Contexts too large to keep around (over 64 MiB
-// packed) get a one-off buffer.
+// Room for a unit's packed keys and values (every word is written by the packing), kept by the thread for its
+// next unit: a fresh allocation of this size is mmapped and page-faulted each time (one token over a 575-token
+// context: 107 -> 80 us a call with the buffer kept). Contexts too large to keep around (over 64 MiB packed)
+// get a one-off buffer.
 uint32_t* packing_buffer(int64_t words, std::vector<uint32_t>& one_off) {
   constexpr int64_t kKeptWords = (int64_t(64) << 20) / sizeof(uint32_t);
   if (words > kKeptWords) {
@@ -478,11 +623,159 @@ uint32_t* packing_buffer(int64_t words, std::vector<uint32_t>& one_off) {
   return kept.data();
 }
 
-void check_kv(const at::Tensor& t, const char* name, int64_t heads) {
-  TORCH_CHECK(t.scalar_type() == at::kBFloat16 && t.device().is_cpu() && t.dim() == 3, "extend_attention: ", name,
+// A request of the call: its query rows [q_start, q_start + T) (of q and of the output), prefix cached tokens.
+struct Request {
+  int64_t q_start, T, prefix;
+  Source keys, values;
+};
+
+// The work a thread takes at a time: one request's kv head, query blocks [block_begin, block_end) of it, for
+// every query head sharing the kv head. The thread packs the head's context itself, so the packed keys and
+// values are written and read in its own L2: packed by all threads and read by whichever took a task, they
+// crossed cores, and the packing ran 2.8x slower on two threads than on one (docs/benchmarks.md).
+struct Unit {
+  int64_t request, kv_head, block_begin, block_end;
+  double cost;  // query rows x keys they see: the costliest units go first
+};
+
+struct Shapes {
+  const uint16_t* q;
+  int64_t q_row, q_head, Hq, Hkv, Dk, Dv;
+  float scale;
+  uint16_t* out;  // [rows of q, Hq, Dv], contiguous
+};
+
+// Every request's query blocks, in units enough to keep `threads` busy: a request's kv heads, its query
+// blocks split further while there are fewer than 4 units a thread (each split packs the head's context again,
+// up to the split's last row).
+std::vector<Unit> plan_units(const std::vector<Request>& requests, int64_t Hkv, int64_t block_rows, int64_t threads) {
+  int64_t heads = 0;
+  for (const Request& r : requests) heads += r.T > 0 ? Hkv : 0;
+  std::vector<Unit> units;
+  for (int64_t i = 0; i < static_cast<int64_t>(requests.size()); ++i) {
+    const Request& r = requests[i];
+    if (r.T == 0) continue;
+    const int64_t blocks = (r.T + block_rows - 1) / block_rows;
+    const int64_t splits = std::clamp<int64_t>((4 * threads + heads - 1) / std::max<int64_t>(heads, 1), 1, blocks);
+    for (int64_t h = 0; h < Hkv; ++h)
+      for (int64_t sp = 0; sp < splits; ++sp) {
+        const int64_t begin = blocks * sp / splits, end = blocks * (sp + 1) / splits;
+        const int64_t first_row = begin * block_rows, last_row = std::min(r.T, end * block_rows);
+        const double rows = static_cast<double>(last_row - first_row);
+        units.push_back({i, h, begin, end, rows * (r.prefix + (first_row + last_row) / 2.0)});
+      }
+  }
+  std::stable_sort(units.begin(), units.end(), [](const Unit& a, const Unit& b) { return a.cost > b.cost; });
+  return units;
+}
+
+// The unit's kv head packed: keys of blocks [0, key_blocks) then their values (a thread's kept buffer).
+Problem pack_unit(const Shapes& sh, const Request& r, const Unit& u, int64_t block_rows, std::vector<uint32_t>& one_off) {
+  const int64_t C = r.prefix + r.T;
+  const int64_t last_row = std::min(r.T, u.block_end * block_rows);
+  const int64_t key_blocks = (r.prefix + last_row + kKeyBlock - 1) / kKeyBlock;  // the unit's last row's keys
+  const int64_t key_words = key_blocks * (sh.Dk / 2) * kKeyBlock;
+  uint32_t* packed = packing_buffer(key_words + key_blocks * (kKeyBlock / 2) * sh.Dv, one_off);
+  for (int64_t b = 0; b < key_blocks; ++b) {
+    pack_key_block(r.keys, u.kv_head, b, C, sh.Dk, packed + b * (sh.Dk / 2) * kKeyBlock);
+    pack_value_block(r.values, u.kv_head, b, C, sh.Dv, packed + key_words + b * (kKeyBlock / 2) * sh.Dv);
+  }
+  return Problem{sh.q + r.q_start * sh.q_row, sh.q_row, sh.q_head, r.T, r.prefix, sh.Hq, sh.Hkv, sh.Dk, sh.Dv,
+                 sh.scale, packed, packed + key_words, sh.out + r.q_start * sh.Hq * sh.Dv};
+}
+
+// The query heads of kv head h: [h * group, (h + 1) * group).
+template <class RunTask>
+void run_unit(const Problem& pb, const Unit& u, int64_t block_rows, RunTask&& run_task) {
+  const int64_t group = pb.Hq / pb.Hkv;
+  for (int64_t qb = u.block_end - 1; qb >= u.block_begin; --qb) {
+    const int64_t t0 = qb * block_rows, rows = std::min(block_rows, pb.T - t0);
+    for (int64_t hq = u.kv_head * group; hq < (u.kv_head + 1) * group; ++hq) run_task(pb, hq, t0, rows);
+  }
+}
+
+LLMSERVE_AMX void run_units_amx(const Shapes& sh, const std::vector<Request>& requests, const std::vector<Unit>& units,
+                                std::atomic<int64_t>& next) {
+  llmserve::load_amx_tile_config();  // tile state is per thread
+  const bool resident = sh.Dv <= 4 * kAmxDimGroup;
+  AmxTaskState st;
+  AmxResidentState rst;
+  (resident ? rst.q : st.q).resize(kAmxRows * sh.Dk);
+  if (!resident) st.o.resize(kAmxRows * sh.Dv);
+  std::vector<uint32_t> one_off;
+  for (int64_t i = next++; i < static_cast<int64_t>(units.size()); i = next++) {
+    const Unit& u = units[i];
+    const Problem pb = pack_unit(sh, requests[u.request], u, kAmxRows, one_off);
+    run_unit(pb, u, kAmxRows, [&](const Problem& p, int64_t hq, int64_t t0, int64_t rows) {
+      if (resident)
+        run_task_amx_resident(p, hq, t0, rows, rst);
+      else
+        run_task_amx(p, hq, t0, rows, st);
+    });
+  }
+  _tile_release();
+}
+
+void run_units_avx512(const Shapes& sh, const std::vector<Request>& requests, const std::vector<Unit>& units,
+                      std::atomic<int64_t>& next) {
+  TaskState st;
+  st.o.resize(kQueryBlock * sh.Dv);
+  st.max.resize(kQueryBlock);
+  st.sum.resize(kQueryBlock);
+  std::vector<uint32_t> one_off;
+  for (int64_t i = next++; i < static_cast<int64_t>(units.size()); i = next++) {
+    const Unit& u = units[i];
+    const Problem pb = pack_unit(sh, requests[u.request], u, kQueryBlock, one_off);
+    run_unit(pb, u, kQueryBlock, [&](const Problem& p, int64_t hq, int64_t t0, int64_t rows) { run_task(p, hq, t0, rows, st); });
+  }
+}
+
+// Every request's attention on `path` (1 = AVX512-BF16, 2 = AMX), threads taking units from a shared counter.
+void run_requests(const Shapes& sh, const std::vector<Request>& requests, int64_t path) {
+  const int64_t block_rows = path == 2 ? kAmxRows : kQueryBlock;
+  const std::vector<Unit> units = plan_units(requests, sh.Hkv, block_rows, at::get_num_threads());
+  if (units.empty()) return;
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(units.size()));
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    if (path == 2)
+      run_units_amx(sh, requests, units, next);
+    else
+      run_units_avx512(sh, requests, units, next);
+  });
+}
+
+void check_kv(const at::Tensor& t, const char* fn, const char* name, int64_t heads) {
+  TORCH_CHECK(t.scalar_type() == at::kBFloat16 && t.device().is_cpu() && t.dim() == 3, fn, ": ", name,
               " must be a bfloat16 CPU tensor [rows, kv_heads, dim]");
-  TORCH_CHECK(t.size(1) == heads && t.stride(2) == 1, "extend_attention: ", name, " must have ", heads,
-              " heads, each contiguous");
+  TORCH_CHECK(t.size(1) == heads && t.stride(2) == 1, fn, ": ", name, " must have ", heads, " heads, each contiguous");
+}
+
+void check_query(const at::Tensor& q, const char* fn) {
+  TORCH_CHECK(cpu_has_avx512_bf16(), fn, ": this CPU lacks AVX512-BF16");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && q.device().is_cpu() && q.dim() == 3 && q.stride(2) == 1, fn,
+              ": q must be a bfloat16 CPU tensor [tokens, heads, dim], each head contiguous");
+}
+
+// The path impl (0 = auto, 1 = AVX512-BF16, 2 = AMX) names, refused where it cannot run these heads.
+int64_t check_path(int64_t impl, int64_t Hq, int64_t Hkv, int64_t Dk, int64_t Dv, const char* fn) {
+  TORCH_CHECK(impl >= 0 && impl <= 2, fn, ": impl must be 0 (auto), 1 (avx512_bf16) or 2 (amx_bf16)");
+  TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0, fn, ": query heads (", Hq, ") must be a multiple of kv heads (", Hkv, ")");
+  TORCH_CHECK(Dk % 2 == 0 && Dv % 32 == 0 && Dv > 0, fn, ": keys must have the query's even head dim (", Dk,
+              "), values a multiple of 32 (", Dv, ")");
+  const int64_t path = impl == 0 ? auto_impl(Dk, Dv) : impl;
+  TORCH_CHECK(path != 2 || amx_fits(Dk, Dv), fn, ": the AMX path needs AMX-BF16 and key heads a multiple of 32 (",
+              Dk, ")");
+  return path;
+}
+
+void check_slots(const int64_t* slots, int64_t n, int64_t rows, const char* fn) {
+  for (int64_t c = 0; c < n; ++c)
+    TORCH_CHECK(slots[c] >= 0 && slots[c] < rows, fn, ": slot ", slots[c], " out of range [0, ", rows, ")");
+}
+
+Source source_of(const at::Tensor& t) {
+  return Source{reinterpret_cast<const uint16_t*>(t.data_ptr()), t.stride(0), t.stride(1), nullptr, 0, nullptr, 0, 0};
 }
 
 // q [T, Hq, Dk]; keys [rows, Hkv, Dk], values [rows, Hkv, Dv] (rows: the context, or the pool with `slots`
@@ -490,78 +783,92 @@ void check_kv(const at::Tensor& t, const char* name, int64_t heads) {
 // impl: 0 = the best that fits (AMX where the CPU has it and Dk is a multiple of 32), 1 = AVX512-BF16, 2 = AMX.
 at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
                             const c10::optional<at::Tensor>& slots_opt, int64_t prefix, double scale, int64_t impl) {
-  TORCH_CHECK(cpu_has_avx512_bf16(), "extend_attention: this CPU lacks AVX512-BF16");
-  TORCH_CHECK(impl >= 0 && impl <= 2, "extend_attention: impl must be 0 (auto), 1 (avx512_bf16) or 2 (amx_bf16)");
-  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && q.device().is_cpu() && q.dim() == 3 && q.stride(2) == 1,
-              "extend_attention: q must be a bfloat16 CPU tensor [tokens, heads, dim], each head contiguous");
+  constexpr const char* fn = "extend_attention";
+  check_query(q, fn);
+  TORCH_CHECK(impl >= 0 && impl <= 2, fn, ": impl must be 0 (auto), 1 (avx512_bf16) or 2 (amx_bf16)");
   const int64_t T = q.size(0), Hq = q.size(1), Dk = q.size(2), Hkv = keys.dim() == 3 ? keys.size(1) : 0;
-  check_kv(keys, "keys", Hkv);
-  check_kv(values, "values", Hkv);
+  check_kv(keys, fn, "keys", Hkv);
+  check_kv(values, fn, "values", Hkv);
   const int64_t Dv = values.size(2);
-  TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0, "extend_attention: query heads (", Hq, ") must be a multiple of kv heads (",
-              Hkv, ")");
-  TORCH_CHECK(keys.size(2) == Dk && Dk % 2 == 0 && Dv % 32 == 0 && Dv > 0, "extend_attention: keys must have the "
-              "query's even head dim (", Dk, "), values a multiple of 32 (", Dv, ")");
-  TORCH_CHECK(prefix >= 0, "extend_attention: prefix must be >= 0");
+  TORCH_CHECK(keys.size(2) == Dk, fn, ": keys must have the query's even head dim (", Dk, "), values a multiple of "
+              "32 (", Dv, ")");
+  const int64_t path = check_path(impl, Hq, Hkv, Dk, Dv, fn);
+  TORCH_CHECK(prefix >= 0, fn, ": prefix must be >= 0");
   const int64_t C = prefix + T;
-  const int64_t* slots = nullptr;
+  Source ks = source_of(keys), vs = source_of(values);
+  ks.split = vs.split = C;  // the whole context from keys / values
   at::Tensor slots_c;
   if (slots_opt.has_value() && slots_opt->defined()) {
     slots_c = slots_opt->contiguous();
-    TORCH_CHECK(slots_c.scalar_type() == at::kLong && slots_c.numel() == C, "extend_attention: slots must be int64 [",
-                C, "] (prefix + tokens)");
-    slots = slots_c.data_ptr<int64_t>();
-    const int64_t rows = std::min(keys.size(0), values.size(0));
-    for (int64_t c = 0; c < C; ++c)
-      TORCH_CHECK(slots[c] >= 0 && slots[c] < rows, "extend_attention: slot ", slots[c], " out of range [0, ", rows, ")");
+    TORCH_CHECK(slots_c.scalar_type() == at::kLong && slots_c.numel() == C, fn, ": slots must be int64 [", C,
+                "] (prefix + tokens)");
+    ks.slots = vs.slots = slots_c.data_ptr<int64_t>();
+    check_slots(ks.slots, C, std::min(keys.size(0), values.size(0)), fn);
   } else {
-    TORCH_CHECK(keys.size(0) >= C && values.size(0) >= C, "extend_attention: keys and values need prefix + tokens (",
-                C, ") rows without slots");
+    TORCH_CHECK(keys.size(0) >= C && values.size(0) >= C, fn, ": keys and values need prefix + tokens (", C,
+                ") rows without slots");
   }
-  const int64_t path = impl == 0 ? auto_impl(Dk, Dv) : impl;
-  TORCH_CHECK(path != 2 || amx_fits(Dk, Dv), "extend_attention: the AMX path needs AMX-BF16 and key heads a multiple "
-              "of 32 (", Dk, ")");
   at::Tensor out = at::empty({T, Hq, Dv}, q.options());
-  if (T == 0) return out;
-  const int64_t key_blocks = (C + kKeyBlock - 1) / kKeyBlock;
-  const int64_t key_words = key_blocks * (Dk / 2) * kKeyBlock, value_words = key_blocks * (kKeyBlock / 2) * Dv;
-  std::vector<uint32_t> one_off;
-  uint32_t* packed = packing_buffer(Hkv * (key_words + value_words), one_off);
-  uint32_t* const packed_keys = packed;
-  uint32_t* const packed_values = packed + Hkv * key_words;
-  const Source ks{reinterpret_cast<const uint16_t*>(keys.data_ptr()), keys.stride(0), keys.stride(1), slots};
-  const Source vs{reinterpret_cast<const uint16_t*>(values.data_ptr()), values.stride(0), values.stride(1), slots};
-  at::parallel_for(0, Hkv * key_blocks, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t h = i / key_blocks, b = i % key_blocks;
-      pack_key_block(ks, h, b, C, Dk, packed_keys + h * key_words + b * (Dk / 2) * kKeyBlock);
-      pack_value_block(vs, h, b, C, Dv, packed_values + h * value_words + b * (kKeyBlock / 2) * Dv);
-    }
-  });
-  const Problem pb{reinterpret_cast<const uint16_t*>(q.data_ptr()), q.stride(0), q.stride(1), T, prefix, Hq, Hkv, Dk, Dv,
-                   static_cast<float>(scale), packed_keys, packed_values, key_blocks,
-                   reinterpret_cast<uint16_t*>(out.data_ptr())};
-  std::atomic<int64_t> next{0};
-  if (path == 2) {
-    const int64_t query_blocks = (T + kAmxRows - 1) / kAmxRows;
-    const int64_t threads = std::min<int64_t>(at::get_num_threads(), query_blocks * Hq);
-    at::parallel_for(0, threads, 1, [&](int64_t, int64_t) { run_tasks_amx(pb, next, query_blocks); });
-    return out;
-  }
-  const int64_t query_blocks = (T + kQueryBlock - 1) / kQueryBlock, tasks = query_blocks * Hq;
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), tasks);
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    TaskState st;
-    st.o.resize(kQueryBlock * Dv);
-    st.max.resize(kQueryBlock);
-    st.sum.resize(kQueryBlock);
-    for (int64_t i = next++; i < tasks; i = next++) {
-      const int64_t qb = query_blocks - 1 - i / Hq, hq = i % Hq;  // the last blocks (most keys) first
-      const int64_t t0 = qb * kQueryBlock;
-      run_task(pb, hq, t0, std::min(kQueryBlock, T - t0), st);
-    }
-  });
+  const Shapes sh{reinterpret_cast<const uint16_t*>(q.data_ptr()), q.stride(0), q.stride(1), Hq, Hkv, Dk, Dv,
+                  static_cast<float>(scale), reinterpret_cast<uint16_t*>(out.data_ptr())};
+  run_requests(sh, {Request{0, T, prefix, ks, vs}}, path);
   return out;
+}
+
+// A step's extends in one call. Request i: query rows [q_starts[i], q_starts[i] + extend_lens[i]) of q and out,
+// whose own keys / values are the same rows of k / v, after prefix_lens[i] cached tokens at pool rows given by
+// its span of prefix_slots (the requests' cached slots, concatenated in order). Writes those rows of out
+// [tokens, Hq, Dv]; rows of no request are left as they were.
+void extend_attention_batch(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_pool,
+                            const at::Tensor& v_pool, const at::Tensor& prefix_slots, at::IntArrayRef q_starts,
+                            at::IntArrayRef extend_lens, at::IntArrayRef prefix_lens, double scale, int64_t impl,
+                            at::Tensor& out) {
+  constexpr const char* fn = "extend_attention_batch";
+  check_query(q, fn);
+  const int64_t N = q.size(0), Hq = q.size(1), Dk = q.size(2), Hkv = k.dim() == 3 ? k.size(1) : 0;
+  check_kv(k, fn, "k", Hkv);
+  check_kv(v, fn, "v", Hkv);
+  check_kv(k_pool, fn, "k_pool", Hkv);
+  check_kv(v_pool, fn, "v_pool", Hkv);
+  const int64_t Dv = v.size(2);
+  TORCH_CHECK(k.size(2) == Dk && k_pool.size(2) == Dk && v_pool.size(2) == Dv && k.size(0) == N && v.size(0) == N,
+              fn, ": k [tokens, kv_heads, ", Dk, "], v [tokens, kv_heads, ", Dv, "] and the pools must match q");
+  const int64_t path = check_path(impl, Hq, Hkv, Dk, Dv, fn);
+  TORCH_CHECK(out.scalar_type() == at::kBFloat16 && out.is_contiguous() && out.dim() == 3 && out.size(0) == N &&
+              out.size(1) == Hq && out.size(2) == Dv, fn, ": out must be a contiguous bfloat16 [", N, ", ", Hq, ", ",
+              Dv, "]");
+  const int64_t R = static_cast<int64_t>(q_starts.size());
+  TORCH_CHECK(static_cast<int64_t>(extend_lens.size()) == R && static_cast<int64_t>(prefix_lens.size()) == R, fn,
+              ": q_starts, extend_lens and prefix_lens must have one entry per request");
+  const at::Tensor slots_c = prefix_slots.contiguous();
+  TORCH_CHECK(slots_c.scalar_type() == at::kLong && slots_c.dim() == 1, fn, ": prefix_slots must be int64 [cached]");
+  const int64_t* slots = slots_c.data_ptr<int64_t>();
+  int64_t cached = 0;
+  std::vector<Request> requests;
+  requests.reserve(R);
+  for (int64_t i = 0; i < R; ++i) {
+    const int64_t start = q_starts[i], T = extend_lens[i], prefix = prefix_lens[i];
+    TORCH_CHECK(start >= 0 && T >= 0 && start + T <= N && prefix >= 0, fn, ": request ", i, " (q_start ", start,
+                ", extend ", T, ", prefix ", prefix, ") is outside the ", N, " query rows");
+    TORCH_CHECK(cached + prefix <= slots_c.numel(), fn, ": prefix_slots has ", slots_c.numel(),
+                " slots, fewer than the prefixes' ", cached + prefix);
+    Source ks = source_of(k_pool), vs = source_of(v_pool);
+    ks.slots = vs.slots = slots + cached;
+    ks.split = vs.split = prefix;
+    ks.fresh = reinterpret_cast<const uint16_t*>(k.data_ptr()) + start * k.stride(0);
+    ks.fresh_row = k.stride(0);
+    ks.fresh_head = k.stride(1);
+    vs.fresh = reinterpret_cast<const uint16_t*>(v.data_ptr()) + start * v.stride(0);
+    vs.fresh_row = v.stride(0);
+    vs.fresh_head = v.stride(1);
+    requests.push_back(Request{start, T, prefix, ks, vs});
+    cached += prefix;
+  }
+  TORCH_CHECK(cached == slots_c.numel(), fn, ": prefix_slots has ", slots_c.numel(), " slots, the prefixes ", cached);
+  check_slots(slots, cached, std::min(k_pool.size(0), v_pool.size(0)), fn);
+  const Shapes sh{reinterpret_cast<const uint16_t*>(q.data_ptr()), q.stride(0), q.stride(1), Hq, Hkv, Dk, Dv,
+                  static_cast<float>(scale), reinterpret_cast<uint16_t*>(out.data_ptr())};
+  run_requests(sh, requests, path);
 }
 
 bool extend_attention_available() { return cpu_has_avx512_bf16(); }
@@ -576,6 +883,11 @@ TORCH_LIBRARY_FRAGMENT(llmserve_cpu, m) {
   m.def("extend_attention_auto_impl(int head_dim, int v_head_dim) -> int", &extend_attention_auto_impl);
   m.def("extend_attention(Tensor q, Tensor keys, Tensor values, Tensor? slots, int prefix, float scale, "
         "int impl=0) -> Tensor");
+  m.def("extend_attention_batch(Tensor q, Tensor k, Tensor v, Tensor k_pool, Tensor v_pool, Tensor prefix_slots, "
+        "int[] q_starts, int[] extend_lens, int[] prefix_lens, float scale, int impl, Tensor(a!) out) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(llmserve_cpu, CPU, m) { m.impl("extend_attention", &extend_attention); }
+TORCH_LIBRARY_IMPL(llmserve_cpu, CPU, m) {
+  m.impl("extend_attention", &extend_attention);
+  m.impl("extend_attention_batch", &extend_attention_batch);
+}
