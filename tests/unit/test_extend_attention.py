@@ -54,6 +54,7 @@ def _sdpa(query, keys, values, mask, scale):
         (64, 512, 9, 3, 64, 64),  # a cached prefix's chunk
         (17, 40, 4, 4, 32, 32),
         (5, 30, 8, 1, 32, 32),  # MQA
+        (70, 100, 4, 1, 64, 64),  # MQA over several query blocks: fewer kv heads than threads, units split
         (100, 3, 2, 2, 128, 128),
         (20, 0, 4, 4, 48, 32),  # keys wider than values, values a multiple of 32 (not of 64)
         (9, 25, 4, 4, 192, 128),  # DeepSeek-V2's MLA head sizes
