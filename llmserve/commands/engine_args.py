@@ -93,8 +93,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    "so the worker's gRPC thread and a router, tokenizer or client sharing its cores get a core "
                    "at once instead of waiting for the forward (first-token latency on shared cores)")
     g.add_argument("--disable-fused-decode", action="store_true",
-                   help="CPU: run decode steps layer by layer from Python instead of one C++ call over the "
-                   "layers (same kernels, same logits; for A/B runs)")
+                   help="CPU: run decode and extend steps layer by layer from Python instead of one C++ call over "
+                   "the layers (same kernels, same logits; for A/B runs)")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

@@ -1,6 +1,7 @@
 """Fused decode (worker_svc/executor/fused_decode.py, kernels/csrc/decode_layers.cpp): where it is on and why
 not elsewhere; a fused runner gives the layer-by-layer runner's logits bit for bit over decode steps with
-requests joining and finishing (bf16, int4 and int8 weight-only), and leaves the same KV in the pool;
+requests joining and finishing (bf16, int4 and int8 weight-only) and over extend steps (prefills, extends over a
+cached prefix, mixed steps with riders), and leaves the same KV in the pool;
 DecodeLayers refuses a layer whose shapes disagree with the model; the flag reaches the EngineConfig."""
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from tests.unit.test_cuda_graph_runner import Requests
 from worker_svc.config.engine_config import EngineConfig
 from worker_svc.executor.fused_decode import fused_decode_plan
 from worker_svc.executor.model_runner import ModelRunner
+from worker_svc.forward_batch import ForwardMode, StepInput
 from worker_svc.kernels import cpu_ext
 from worker_svc.parallel.context import TPContext
 
@@ -87,6 +89,63 @@ def test_fused_decode_gives_the_layer_by_layer_logits(model_factory, torchao_con
     batch_sizes = run_lockstep(decode_script(encode_prompts(model_dir)), Requests(modules_runner),
                                Requests(fused_runner))
     assert batch_sizes == [1] * 3 + [3] * 3 + [2] * 2 + [5] * 2 + [3] * 3 + [1] * 2
+    for layer in range(len(fused_runner.kv.pool.k_buffers)):
+        for ours, theirs in zip(fused_runner.kv.pool.buffers(layer), modules_runner.kv.pool.buffers(layer),
+                                strict=True):
+            assert torch.equal(ours, theirs)
+
+
+def _extend(requests: Requests, new_tokens: dict[str, list[int]]) -> torch.Tensor:
+    """One EXTEND step: each request adds its tokens after what it holds (a new one from position 0); a request
+    adding one token after a prefix is a mixed step's rider. -> the step's logits."""
+    kv, rows, prefix_lens, seq_lens, positions, slots = requests.kv, [], [], [], [], []
+    for rid, tokens in new_tokens.items():
+        if rid not in requests.live:
+            row = kv.req_table.alloc()
+            assert row is not None
+            requests.live[rid] = (row, [])
+        row, held = requests.live[rid]
+        new = kv.allocator.alloc(len(tokens))
+        assert new is not None
+        rows.append(row)
+        prefix_lens.append(len(held))
+        seq_lens.append(len(held) + len(tokens))
+        positions.append(torch.arange(len(held), len(held) + len(tokens)))
+        slots.append(new)
+        held.extend(new.tolist())
+        kv.req_table.table[row, : len(held)] = torch.tensor(held)
+    return requests.runner.forward(StepInput(
+        mode=ForwardMode.EXTEND, input_ids=torch.tensor([t for tokens in new_tokens.values() for t in tokens]),
+        positions=torch.cat(positions), out_slots=torch.cat(slots), req_rows=torch.tensor(rows), seq_lens=seq_lens,
+        prefix_lens=prefix_lens))
+
+
+@needs_kernels
+def test_fused_extend_steps_give_the_layer_by_layer_logits(model_factory) -> None:
+    """Extend steps through DecodeLayers.forward_extend: a prefill, an extend over a cached prefix beside a fresh
+    prompt, and mixed steps whose riders (one token after their prefix) attend as one decode; each step's
+    logits equal the modules' bit for bit, and so does the KV left in the pool."""
+    if (why := _packed_kernels_here()) is not None:
+        pytest.skip(why)
+    if not CPU_OPS.extend_attention_available():
+        pytest.skip("this CPU lacks AVX512-BF16: extend attention runs SDPA, and extend steps stay on the modules")
+    model_dir = model_factory("tiny", config_override={"hidden_size": 128})  # heads of 32: the kernel takes them
+    config = _engine_config(model_dir)
+    fused_runner = ModelRunner(config)
+    assert fused_runner.fused_decode is not None and fused_runner.fused_decode.extend_impl is not None
+    modules_runner = ModelRunner(dataclasses.replace(config, disable_fused_decode=True))
+    prompts = encode_prompts(model_dir)
+    runners = (Requests(modules_runner), Requests(fused_runner))
+    steps = [
+        {"a": prompts[0][:40]},  # a prefill
+        {"a": prompts[1][:20], "b": prompts[2][:9]},  # 20 more after a's 40, beside a fresh prompt
+        {"a": [5], "b": prompts[3][:30], "c": prompts[4][:70]},  # a rides along; b extends; c is new
+        {"a": [7], "b": [9], "c": prompts[0][:3]},  # two riders and a short extend
+    ]
+    for step in steps:
+        logits = [_extend(r, step) for r in runners]
+        assert logits[0].shape[0] == len(step)
+        torch.testing.assert_close(logits[1], logits[0], rtol=0, atol=0)
     for layer in range(len(fused_runner.kv.pool.k_buffers)):
         for ours, theirs in zip(fused_runner.kv.pool.buffers(layer), modules_runner.kv.pool.buffers(layer),
                                 strict=True):

@@ -11,7 +11,7 @@ from typing import Any
 
 EXTEND_IMPLS = ("sdpa", "avx512_bf16", "amx_bf16")
 # The C++ kernel's `impl` argument for each of its paths.
-_KERNEL_IMPL = {"avx512_bf16": 1, "amx_bf16": 2}
+EXTEND_KERNEL_IMPL = {"avx512_bf16": 1, "amx_bf16": 2}
 
 
 def extend_kernel(extend_impl: str, cpu_ops: object | None) -> Callable[..., Any] | None:
@@ -23,7 +23,7 @@ def extend_kernel(extend_impl: str, cpu_ops: object | None) -> Callable[..., Any
         return None
     if cpu_ops is None:
         raise ValueError(f"extend_impl {extend_impl!r} needs the CPU kernels (layers.cpu_ext.load())")
-    return functools.partial(cpu_ops.extend_attention, impl=_KERNEL_IMPL[extend_impl])  # type: ignore[attr-defined]
+    return functools.partial(cpu_ops.extend_attention, impl=EXTEND_KERNEL_IMPL[extend_impl])  # type: ignore[attr-defined]
 
 
 def extend_batch_kernel(extend_impl: str, cpu_ops: object | None) -> Callable[..., Any] | None:
@@ -31,4 +31,4 @@ def extend_batch_kernel(extend_impl: str, cpu_ops: object | None) -> Callable[..
     (``torch.ops.llmserve_cpu.extend_attention_batch``) bound to the path ``extend_impl`` names, None for SDPA."""
     if extend_kernel(extend_impl, cpu_ops) is None or cpu_ops is None:
         return None
-    return functools.partial(cpu_ops.extend_attention_batch, impl=_KERNEL_IMPL[extend_impl])  # type: ignore[attr-defined]
+    return functools.partial(cpu_ops.extend_attention_batch, impl=EXTEND_KERNEL_IMPL[extend_impl])  # type: ignore[attr-defined]

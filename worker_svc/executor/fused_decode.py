@@ -12,8 +12,12 @@ On (``fused_decode_plan``) where: the CPU, one rank (each layer's all-reduce is 
 under TP), a Llama-family decoder (rotate-half rope, fused q/k/v and gate/up, SwiGLU), bf16 or fp16
 activations, this project's C++ norm / rotary / decode-attention kernels, and every layer linear on one of
 this project's packed kernels (bf16 VDPBF16PS/AMX, AVX-512 int4 or int8 weight-only) without bias. Otherwise
-off with the reason logged; ``--disable-fused-decode`` turns it off for A/B runs. Decode steps only: prefill,
-mixed and all-logits steps run the modules.
+off with the reason logged; ``--disable-fused-decode`` turns it off for A/B runs.
+
+Extend steps (prefills, chunks, cached-prefix extends, mixed steps with their one-token riders) take the same
+call's ``forward_extend`` where their attention is this project's batched extend kernel (bf16, the plan's
+``attention_extend`` avx512_bf16 / amx_bf16, not deterministic inference): a 64-token extend over a cached
+prefix is ~15 calls a layer from Python, ~4 ms of a 25-30 ms step. All-logits steps run the modules.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from enum import IntEnum
 import structlog
 import torch
 
+from worker_svc.attention.extend_kernel import EXTEND_KERNEL_IMPL
+from worker_svc.attention.metadata import ExtendMetadata
 from worker_svc.config.engine_config import EngineConfig
 from worker_svc.executor.kernel_choice import KernelPlan
 from worker_svc.forward_batch import ForwardBatch, ForwardMode, StepInput
@@ -104,6 +110,7 @@ def layer_specs(layer: DecoderLayer) -> list[LinearSpec] | str:
 class FusedDecodePlan:
     enabled: bool
     reason: str  # why not, when disabled
+    extend_impl: int | None = None  # the extend kernel's impl for extend steps; None: they run the modules
 
 
 def fused_decode_plan(engine_config: EngineConfig, device: torch.device, tp: TPContext, model: torch.nn.Module,
@@ -129,14 +136,17 @@ def fused_decode_plan(engine_config: EngineConfig, device: torch.device, tp: TPC
         specs = layer_specs(layer)
         if isinstance(specs, str):
             return off(specs)
-    return FusedDecodePlan(enabled=True, reason="")
+    extends = dtype == torch.bfloat16 and not kernels.deterministic
+    return FusedDecodePlan(enabled=True, reason="",
+                           extend_impl=EXTEND_KERNEL_IMPL.get(kernels.attention_extend) if extends else None)
 
 
 class FusedDecode:
     """Decode steps through DecodeLayers. Built once the KV pool exists (its buffers are bound)."""
 
-    def __init__(self, model: CausalLM, pool: MHAKVPool) -> None:
+    def __init__(self, model: CausalLM, pool: MHAKVPool, extend_impl: int | None = None) -> None:
         self.model = model
+        self.extend_impl = extend_impl
         config = model.config
         layers = model.model.decoder_layers()
         parts = _llama_parts(layers[0])
@@ -154,16 +164,26 @@ class FusedDecode:
                 [int(s.kind) for s in specs], [s.packed for s in specs], [s.scale for s in specs],
                 [f for s in specs for f in s.fields])
 
-    @staticmethod
-    def accepts(step: StepInput) -> bool:
-        return step.mode is ForwardMode.DECODE and not step.all_logits
+    def accepts(self, step: StepInput) -> bool:
+        if step.all_logits:
+            return False
+        return step.mode is ForwardMode.DECODE or (step.mode is ForwardMode.EXTEND and self.extend_impl is not None)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """A prepared DECODE batch -> float32 logits [batch, vocab]."""
+        """A prepared DECODE or EXTEND batch -> float32 logits [batch, vocab]."""
         decoder = self.model.model
         hidden, (cos, sin) = decoder.embed(batch)
         meta = batch.attn_metadata
-        hidden, residual = self.layers.forward(hidden, cos, sin, batch.out_slots, meta.slot_index, meta.seq_lens)
+        if batch.mode is ForwardMode.DECODE:
+            hidden, residual = self.layers.forward(hidden, cos, sin, batch.out_slots, meta.slot_index, meta.seq_lens)
+        else:
+            assert isinstance(meta, ExtendMetadata) and self.extend_impl is not None
+            ext, one = meta.extends, meta.one_token
+            none = torch.empty(0, dtype=torch.int64)
+            hidden, residual = self.layers.forward_extend(
+                hidden, cos, sin, batch.out_slots, ext.prefix_slots, ext.q_starts, ext.lens, ext.prefix_lens,
+                self.extend_impl, none if one is None else one.tokens,
+                none.view(0, 0) if one is None else one.decode.slot_index, none if one is None else one.decode.seq_lens)
         return self.model.logits(decoder.finish(hidden, residual), batch)
 
 
@@ -176,6 +196,6 @@ def build_fused_decode(engine_config: EngineConfig, model: torch.nn.Module, tp: 
         return None, plan.reason
     # The plan's attention_decode "avx2" is what makes the runner's backend the MHA pool's C++ decode kernel.
     assert isinstance(model, CausalLM) and isinstance(kv.pool, MHAKVPool)
-    fused = FusedDecode(model, kv.pool)
-    log.info("fused decode on", layers=fused.layers.num_layers())
+    fused = FusedDecode(model, kv.pool, plan.extend_impl)
+    log.info("fused decode on", layers=fused.layers.num_layers(), extend_steps=plan.extend_impl is not None)
     return fused, ""

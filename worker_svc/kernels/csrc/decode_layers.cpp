@@ -1,4 +1,5 @@
-// A decode step's Llama layers in one call (executor/fused_decode.py).
+// A decode step's Llama layers in one call (executor/fused_decode.py), and an extend step's on bf16 models whose
+// extends run this library's extend attention (forward_extend).
 //
 // A one-token step of a small model is ~10 kernel calls per layer, and run from Python each pays a module
 // call, the op's argument parsing and the dispatcher (~5-8 us) on top of its own work: on SmolLM2-135M
@@ -162,18 +163,56 @@ class DecodeLayers : public torch::CustomClassHolder {
   // decode attention's metadata. -> (the last layer's MLP output [B, hidden], the residual stream in float32).
   std::tuple<at::Tensor, at::Tensor> forward(at::Tensor hidden, at::Tensor cos, at::Tensor sin, at::Tensor out_slots,
                                              at::Tensor slot_index, at::Tensor seq_lens) const {
-    TORCH_CHECK(!layers_.empty(), "DecodeLayers.forward: no layers");
-    TORCH_CHECK(hidden.dim() == 2 && hidden.size(1) == hidden_, "DecodeLayers.forward: hidden must be [tokens, ",
+    TORCH_CHECK(seq_lens.numel() == hidden.size(0), "DecodeLayers.forward: one token and one length per request");
+    return run(hidden, cos, sin, out_slots, "forward", [&](const Layer& layer, const at::Tensor& q, const at::Tensor&,
+                                                           const at::Tensor&) {
+      return llmserve::ops::decode_attention(q.contiguous(), layer.k_buf, layer.v_buf, slot_index, seq_lens, scaling_, 0);
+    });
+  }
+
+  // An extend step (bf16, this library's extend attention as attention/torch_native.py's _extend runs it):
+  // hidden [T, hidden] the new tokens' embeddings, cos / sin [T, 1, head_dim], out_slots [T]; the extends as
+  // extend_attention_batch takes them (prefix_slots, q_starts, extend_lens, prefix_lens, impl); the requests
+  // adding one token to a cached prefix (a mixed step's riders) as one decode: their rows one_tokens [n] and the
+  // decode metadata one_slot_index [n, L], one_seq_lens [n] (n may be 0). -> as forward.
+  std::tuple<at::Tensor, at::Tensor> forward_extend(at::Tensor hidden, at::Tensor cos, at::Tensor sin,
+                                                    at::Tensor out_slots, at::Tensor prefix_slots,
+                                                    std::vector<int64_t> q_starts, std::vector<int64_t> extend_lens,
+                                                    std::vector<int64_t> prefix_lens, int64_t impl,
+                                                    at::Tensor one_tokens, at::Tensor one_slot_index,
+                                                    at::Tensor one_seq_lens) const {
+    TORCH_CHECK(one_tokens.numel() == one_seq_lens.numel(), "DecodeLayers.forward_extend: one length per one-token row");
+    return run(hidden, cos, sin, out_slots, "forward_extend", [&](const Layer& layer, const at::Tensor& q,
+                                                                  const at::Tensor& k, const at::Tensor& v) {
+      at::Tensor out = at::empty(q.sizes(), q.options());
+      if (one_tokens.numel() > 0) {
+        const at::Tensor rows = q.index_select(0, one_tokens);  // [n, heads, head_dim]
+        out.index_copy_(0, one_tokens, llmserve::ops::decode_attention(rows.contiguous(), layer.k_buf, layer.v_buf,
+                                                                       one_slot_index, one_seq_lens, scaling_, 0));
+      }
+      llmserve::ops::extend_attention_batch(q, k, v, layer.k_buf, layer.v_buf, prefix_slots, q_starts, extend_lens,
+                                            prefix_lens, scaling_, impl, out);
+      return out;
+    });
+  }
+
+ private:
+  // The layers over the step's tokens, `attend` (layer, rotated q, rotated k, v) -> [tokens, heads, head_dim]
+  // after this step's k, v are stored.
+  template <class Attend>
+  std::tuple<at::Tensor, at::Tensor> run(at::Tensor hidden, const at::Tensor& cos, const at::Tensor& sin,
+                                         const at::Tensor& out_slots, const char* fn, Attend&& attend) const {
+    TORCH_CHECK(!layers_.empty(), "DecodeLayers.", fn, ": no layers");
+    TORCH_CHECK(hidden.dim() == 2 && hidden.size(1) == hidden_, "DecodeLayers.", fn, ": hidden must be [tokens, ",
                 hidden_, "]");
     const int64_t tokens = hidden.size(0);
-    TORCH_CHECK(out_slots.numel() == tokens && seq_lens.numel() == tokens,
-                "DecodeLayers.forward: one token, one slot and one length per request");
+    TORCH_CHECK(out_slots.numel() == tokens, "DecodeLayers.", fn, ": one slot per token");
     const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
     const at::Tensor slots = out_slots.to(at::kLong).contiguous();
     const int64_t pool_slots = layers_.front().k_buf.size(0);
     const int64_t* slot = slots.data_ptr<int64_t>();
     for (int64_t t = 0; t < tokens; ++t)
-      TORCH_CHECK(slot[t] >= 0 && slot[t] < pool_slots, "DecodeLayers.forward: slot ", slot[t], " out of the pool's [0, ",
+      TORCH_CHECK(slot[t] >= 0 && slot[t] < pool_slots, "DecodeLayers.", fn, ": slot ", slot[t], " out of the pool's [0, ",
                   pool_slots, ")");
     at::Tensor residual, x;
     for (const Layer& layer : layers_) {
@@ -190,8 +229,7 @@ class DecodeLayers : public torch::CustomClassHolder {
       auto [q_rot, k_rot] = llmserve::ops::rotary_rotate_half(q, k, cos, sin);
       store_rows(layer.k_buf, slots, k_rot);
       store_rows(layer.v_buf, slots, v);
-      const at::Tensor attn = llmserve::ops::decode_attention(q_rot.contiguous(), layer.k_buf, layer.v_buf, slot_index,
-                                                              seq_lens, scaling_, 0);  // [tokens, heads, head_dim]
+      const at::Tensor attn = attend(layer, q_rot, k_rot, v);  // [tokens, heads, head_dim]
       hidden = layer.o(attn.reshape({tokens, q_size}));
       std::tie(x, residual) = llmserve::ops::fused_add_rms_norm(hidden, residual, layer.post_attention_norm, eps_);
       const at::Tensor gate_up = layer.gate_up(x);  // [tokens, 2 intermediate]: gate | up
@@ -200,7 +238,6 @@ class DecodeLayers : public torch::CustomClassHolder {
     return {hidden, residual};
   }
 
- private:
   int64_t hidden_, num_heads_, num_kv_heads_, head_dim_, intermediate_;
   double eps_, scaling_;
   std::vector<Layer> layers_;
@@ -214,5 +251,6 @@ TORCH_LIBRARY_FRAGMENT(llmserve_cpu, m) {
       .def("add_layer", &DecodeLayers::add_layer)
       .def("num_layers", &DecodeLayers::num_layers)
       .def("time_linears", &DecodeLayers::time_linears)
-      .def("forward", &DecodeLayers::forward);
+      .def("forward", &DecodeLayers::forward)
+      .def("forward_extend", &DecodeLayers::forward_extend);
 }

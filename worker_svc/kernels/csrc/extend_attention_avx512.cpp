@@ -50,6 +50,7 @@
 
 #include "amx.h"
 #include "avx512.h"
+#include "ops.h"
 
 namespace {
 
@@ -927,6 +928,16 @@ bool extend_attention_amx_available() { return llmserve::cpu_has_amx_bf16(); }
 int64_t extend_attention_auto_impl(int64_t head_dim, int64_t v_head_dim) { return auto_impl(head_dim, v_head_dim); }
 
 }  // namespace
+
+// For C++ callers in this library (ops.h).
+namespace llmserve::ops {
+void extend_attention_batch(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_pool,
+                            const at::Tensor& v_pool, const at::Tensor& prefix_slots, at::IntArrayRef q_starts,
+                            at::IntArrayRef extend_lens, at::IntArrayRef prefix_lens, double scale, int64_t impl,
+                            at::Tensor& out) {
+  ::extend_attention_batch(q, k, v, k_pool, v_pool, prefix_slots, q_starts, extend_lens, prefix_lens, scale, impl, out);
+}
+}  // namespace llmserve::ops
 
 TORCH_LIBRARY_FRAGMENT(llmserve_cpu, m) {
   m.def("extend_attention_available() -> bool", &extend_attention_available);

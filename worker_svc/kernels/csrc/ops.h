@@ -1,5 +1,5 @@
 // The tensor-level entry points of this library's kernels, for C++ callers in the library itself
-// (decode_layers.cpp runs a decode step's layers without a Python or dispatcher hop per op). Each is
+// (decode_layers.cpp runs a step's layers without a Python or dispatcher hop per op). Each is
 // exactly the function its op registers, so a C++ caller rounds as the op does.
 #pragma once
 
@@ -17,6 +17,10 @@ std::tuple<at::Tensor, at::Tensor> rotary_rotate_half(const at::Tensor& q, const
                                                       const at::Tensor& sin);
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                             const at::Tensor& slots, const at::Tensor& seq_lens, double scaling, int64_t isa);
+void extend_attention_batch(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_pool,
+                            const at::Tensor& v_pool, const at::Tensor& prefix_slots, at::IntArrayRef q_starts,
+                            at::IntArrayRef extend_lens, at::IntArrayRef prefix_lens, double scale, int64_t impl,
+                            at::Tensor& out);
 at::Tensor silu_and_mul(const at::Tensor& gate_up);
 at::Tensor bf16_linear_packed(const at::Tensor& x, const at::Tensor& packed, int64_t n,
                               const c10::optional<at::Tensor>& bias);
