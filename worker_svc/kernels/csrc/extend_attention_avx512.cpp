@@ -465,7 +465,8 @@ LLMSERVE_AMX void run_task_amx(const Problem& pb, int64_t hq, int64_t t0, int64_
 // the rounding of P is relative, so the accuracy is the same). When the max moves, the tiles are flushed into
 // the fp32 output and rescaled there; with typical scores that happens in the first blocks only.
 // Tiles: 0-3 the output (16 rows x 16 dims each), 4-5 the scores of 32 keys (half a packed block: the other
-// two tiles hold the output), 6 A (query rows, then P), 7 B.
+// two tiles hold the output), then 4 holds P (A of the value product); 6 the query rows (A of the scores) or B,
+// 7 B.
 constexpr float kLazyMaxSlack = 8.f;
 constexpr int64_t kHalfBlock = kKeyBlock / 2;
 
@@ -574,22 +575,8 @@ LLMSERVE_AMX void run_task_amx_resident(const Problem& pb, int64_t hq, int64_t t
     _mm512_store_ps(st.sum, _mm512_add_ps(_mm512_load_ps(st.sum), reduce_rows<Sum>(row_sums)));
     // P . V into the output tiles: A = P (16 rows x 32 keys), B_g = 16 key pairs x dims 16 g .. 16 g + 15.
     const uint32_t* vb = values + b * (kKeyBlock / 2) * pb.Dv + half * (kHalfBlock / 2) * pb.Dv;
-    const int64_t v_stride = pb.Dv * sizeof(uint32_t);
-    _tile_loadd(6, &st.probs[0][0], kHalfBlock * sizeof(uint16_t));
-    _tile_loadd(7, vb, v_stride);
-    _tile_dpbf16ps(0, 6, 7);
-    if (groups > 1) {
-      _tile_loadd(7, vb + kAmxDimGroup, v_stride);
-      _tile_dpbf16ps(1, 6, 7);
-    }
-    if (groups > 2) {
-      _tile_loadd(7, vb + 2 * kAmxDimGroup, v_stride);
-      _tile_dpbf16ps(2, 6, 7);
-    }
-    if (groups > 3) {
-      _tile_loadd(7, vb + 3 * kAmxDimGroup, v_stride);
-      _tile_dpbf16ps(3, 6, 7);
-    }
+    _tile_loadd(4, &st.probs[0][0], kHalfBlock * sizeof(uint16_t));  // the scores are stored: tile 4 is free
+    multiply_tiles(groups, vb, kAmxDimGroup, pb.Dv * sizeof(uint32_t));
     tiles_hold_output = true;
   }
   alignas(64) float one[kAmxRows];
@@ -730,6 +717,28 @@ void run_unit(const Problem& pb, const Unit& u, int64_t block_rows, RunTask&& ru
   }
 }
 
+// A thread's share: units from the shared counter until none is left. Each unit is packed by the thread, its next
+// one claimed ahead so that unit's context is fetched (ContextPrefetch) while this one's tasks run.
+template <class RunTask>
+void take_units(const Shapes& sh, const std::vector<Request>& requests, const std::vector<Unit>& units,
+                std::atomic<int64_t>& next, int64_t block_rows, RunTask&& run_task) {
+  std::vector<uint32_t> one_off;
+  const int64_t n = static_cast<int64_t>(units.size());
+  for (int64_t i = next++; i < n;) {
+    const int64_t following = next++;
+    const Unit& u = units[i];
+    const Problem pb = pack_unit(sh, requests[u.request], u, block_rows, one_off);
+    ContextPrefetch prefetch(following < n ? &requests[units[following].request] : nullptr,
+                             following < n ? &units[following] : nullptr, block_rows, tasks_of(u, sh), sh.Dk * 2,
+                             sh.Dv * 2);
+    run_unit(pb, u, block_rows, [&](const Problem& p, int64_t hq, int64_t t0, int64_t rows) {
+      prefetch.step();
+      run_task(p, hq, t0, rows);
+    });
+    i = following;
+  }
+}
+
 LLMSERVE_AMX void run_units_amx(const Shapes& sh, const std::vector<Request>& requests, const std::vector<Unit>& units,
                                 std::atomic<int64_t>& next) {
   llmserve::load_amx_tile_config();  // tile state is per thread
@@ -738,24 +747,12 @@ LLMSERVE_AMX void run_units_amx(const Shapes& sh, const std::vector<Request>& re
   AmxResidentState rst;
   (resident ? rst.q : st.q).resize(kAmxRows * sh.Dk);
   if (!resident) st.o.resize(kAmxRows * sh.Dv);
-  std::vector<uint32_t> one_off;
-  const int64_t n = static_cast<int64_t>(units.size());
-  for (int64_t i = next++; i < n;) {
-    const int64_t following = next++;  // claimed now, so its context can be fetched during this unit
-    const Unit& u = units[i];
-    const Problem pb = pack_unit(sh, requests[u.request], u, kAmxRows, one_off);
-    ContextPrefetch prefetch(following < n ? &requests[units[following].request] : nullptr,
-                             following < n ? &units[following] : nullptr, kAmxRows, tasks_of(u, sh), sh.Dk * 2,
-                             sh.Dv * 2);
-    run_unit(pb, u, kAmxRows, [&](const Problem& p, int64_t hq, int64_t t0, int64_t rows) {
-      prefetch.step();
-      if (resident)
-        run_task_amx_resident(p, hq, t0, rows, rst);
-      else
-        run_task_amx(p, hq, t0, rows, st);
-    });
-    i = following;
-  }
+  take_units(sh, requests, units, next, kAmxRows, [&](const Problem& p, int64_t hq, int64_t t0, int64_t rows) {
+    if (resident)
+      run_task_amx_resident(p, hq, t0, rows, rst);
+    else
+      run_task_amx(p, hq, t0, rows, st);
+  });
   _tile_release();
 }
 
@@ -765,21 +762,8 @@ void run_units_avx512(const Shapes& sh, const std::vector<Request>& requests, co
   st.o.resize(kQueryBlock * sh.Dv);
   st.max.resize(kQueryBlock);
   st.sum.resize(kQueryBlock);
-  std::vector<uint32_t> one_off;
-  const int64_t n = static_cast<int64_t>(units.size());
-  for (int64_t i = next++; i < n;) {
-    const int64_t following = next++;
-    const Unit& u = units[i];
-    const Problem pb = pack_unit(sh, requests[u.request], u, kQueryBlock, one_off);
-    ContextPrefetch prefetch(following < n ? &requests[units[following].request] : nullptr,
-                             following < n ? &units[following] : nullptr, kQueryBlock, tasks_of(u, sh), sh.Dk * 2,
-                             sh.Dv * 2);
-    run_unit(pb, u, kQueryBlock, [&](const Problem& p, int64_t hq, int64_t t0, int64_t rows) {
-      prefetch.step();
-      run_task(p, hq, t0, rows, st);
-    });
-    i = following;
-  }
+  take_units(sh, requests, units, next, kQueryBlock,
+             [&](const Problem& p, int64_t hq, int64_t t0, int64_t rows) { run_task(p, hq, t0, rows, st); });
 }
 
 // Every request's attention on `path` (1 = AVX512-BF16, 2 = AMX), threads taking units from a shared counter.
