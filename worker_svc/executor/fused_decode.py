@@ -17,7 +17,8 @@ off with the reason logged; ``--disable-fused-decode`` turns it off for A/B runs
 Extend steps (prefills, chunks, cached-prefix extends, mixed steps with their one-token riders) take the same
 call's ``forward_extend`` where their attention is this project's batched extend kernel (bf16, the plan's
 ``attention_extend`` avx512_bf16 / amx_bf16, not deterministic inference): a 64-token extend over a cached
-prefix is ~15 calls a layer from Python, ~4 ms of a 25-30 ms step. All-logits steps run the modules.
+prefix is ~15 calls a layer from Python, ~5 ms of a 28 ms step (docs/benchmarks.md). All-logits steps run the
+modules.
 """
 
 from __future__ import annotations
@@ -142,7 +143,8 @@ def fused_decode_plan(engine_config: EngineConfig, device: torch.device, tp: TPC
 
 
 class FusedDecode:
-    """Decode steps through DecodeLayers. Built once the KV pool exists (its buffers are bound)."""
+    """Decode steps (and, with ``extend_impl``, extend steps) through DecodeLayers. Built once the KV pool exists
+    (its buffers are bound)."""
 
     def __init__(self, model: CausalLM, pool: MHAKVPool, extend_impl: int | None = None) -> None:
         self.model = model
