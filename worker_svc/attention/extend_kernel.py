@@ -14,21 +14,26 @@ EXTEND_IMPLS = ("sdpa", "avx512_bf16", "amx_bf16")
 EXTEND_KERNEL_IMPL = {"avx512_bf16": 1, "amx_bf16": 2}
 
 
-def extend_kernel(extend_impl: str, cpu_ops: object | None) -> Callable[..., Any] | None:
-    """The C++ extend attention (``torch.ops.llmserve_cpu.extend_attention``) bound to the path
-    ``extend_impl`` names, None for SDPA."""
+def _kernel_impl(extend_impl: str, cpu_ops: object | None) -> int | None:
+    """The C++ kernel's ``impl`` for the path ``extend_impl`` names, None for SDPA."""
     if extend_impl not in EXTEND_IMPLS:
         raise ValueError(f"extend_impl must be one of {', '.join(EXTEND_IMPLS)}, got {extend_impl!r}")
     if extend_impl == "sdpa":
         return None
     if cpu_ops is None:
         raise ValueError(f"extend_impl {extend_impl!r} needs the CPU kernels (layers.cpu_ext.load())")
-    return functools.partial(cpu_ops.extend_attention, impl=EXTEND_KERNEL_IMPL[extend_impl])  # type: ignore[attr-defined]
+    return EXTEND_KERNEL_IMPL[extend_impl]
+
+
+def extend_kernel(extend_impl: str, cpu_ops: object | None) -> Callable[..., Any] | None:
+    """The C++ extend attention (``torch.ops.llmserve_cpu.extend_attention``) bound to the path
+    ``extend_impl`` names, None for SDPA."""
+    impl = _kernel_impl(extend_impl, cpu_ops)
+    return None if impl is None else functools.partial(cpu_ops.extend_attention, impl=impl)  # type: ignore[union-attr]
 
 
 def extend_batch_kernel(extend_impl: str, cpu_ops: object | None) -> Callable[..., Any] | None:
     """The C++ extend attention over a step's requests in one call
     (``torch.ops.llmserve_cpu.extend_attention_batch``) bound to the path ``extend_impl`` names, None for SDPA."""
-    if extend_kernel(extend_impl, cpu_ops) is None or cpu_ops is None:
-        return None
-    return functools.partial(cpu_ops.extend_attention_batch, impl=EXTEND_KERNEL_IMPL[extend_impl])  # type: ignore[attr-defined]
+    impl = _kernel_impl(extend_impl, cpu_ops)
+    return None if impl is None else functools.partial(cpu_ops.extend_attention_batch, impl=impl)  # type: ignore[union-attr]

@@ -96,7 +96,8 @@ def prepare_extend(batch: ForwardBatch, group_one_token: bool = False) -> Extend
     for i, (row, prefix, seq) in enumerate(zip(batch.req_rows.tolist(), batch.prefix_lens, batch.seq_lens,
                                                strict=True)):
         offsets.append(offset)
-        if prefix > 0 and group_one_token and seq - prefix == 1:
+        rides = prefix > 0 and group_one_token and seq - prefix == 1  # attended with one_token's decode
+        if rides:
             one_token.append(i)
         else:
             extends.q_starts.append(offset)
@@ -105,7 +106,7 @@ def prepare_extend(batch: ForwardBatch, group_one_token: bool = False) -> Extend
             if prefix > 0:
                 prefix_slots.append(batch.req_to_token[row, :prefix])
         offset += seq - prefix
-        if prefix == 0 or (group_one_token and seq - prefix == 1):
+        if prefix == 0 or rides:
             slots.append(None)
             masks.append(None)
             continue

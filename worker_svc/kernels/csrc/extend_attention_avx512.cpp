@@ -173,15 +173,15 @@ struct Problem {
   uint16_t* out;  // the request's first output row, [T, Hq, Dv]
 };
 
-// The task's output rows: o [rows][Dv] / sum, rounded to bf16, to out[t0 + r][hq].
+// The task's output rows: o [rows][o_stride] (the first Dv of each) / sum, rounded to bf16, to out[t0 + r][hq].
 LLMSERVE_AVX512 void store_rows(const Problem& pb, int64_t hq, int64_t t0, int64_t rows, const float* o,
-                                const float* sum) {
+                                int64_t o_stride, const float* sum) {
   for (int64_t r = 0; r < rows; ++r) {
     const __m512 inv = _mm512_set1_ps(1.f / sum[r]);
     uint16_t* dst = pb.out + ((t0 + r) * pb.Hq + hq) * pb.Dv;
     for (int64_t d = 0; d < pb.Dv; d += kLanes)
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d),
-                          llmserve::to_bf16(_mm512_mul_ps(_mm512_loadu_ps(o + r * pb.Dv + d), inv)));
+                          llmserve::to_bf16(_mm512_mul_ps(_mm512_loadu_ps(o + r * o_stride + d), inv)));
   }
 }
 
@@ -287,7 +287,7 @@ LLMSERVE_AVX512_BF16 void run_task(const Problem& pb, int64_t hq, int64_t t0, in
       if (d < pb.Dv) accumulate_values<2>(o + d, pb.Dv, corr, st.probs, vb + d, key_pairs);  // Dv % 64 == 32
     }
   }
-  store_rows(pb, hq, t0, rows, st.o.data(), st.sum.data());
+  store_rows(pb, hq, t0, rows, st.o.data(), pb.Dv, st.sum.data());
 }
 
 // ---- AMX ------------------------------------------------------------------------------------------------
@@ -365,13 +365,15 @@ LLMSERVE_AVX512 inline __m512 reduce_rows(__m512 (&v)[16]) {
   return _mm512_permutexvar_ps(in_row_order, r);
 }
 
-// Scores of a block some rows see only in part: row m (up to the last live row, `rows` - 1; later rows repeat it)
-// sees its first `first_row_sees` + m keys (clamped to [0, 64]); the rest become -inf.
-LLMSERVE_AVX512 void mask_hidden_keys(float (&scores)[kAmxRows][kKeyBlock], int64_t first_row_sees, int64_t rows) {
+// Scores of a block (Keys: 64, or half a block) some rows see only in part: row m (up to the last live row,
+// `rows` - 1; later rows repeat it) sees its first `first_row_sees` + m keys (clamped to [0, Keys]); the rest
+// become -inf.
+template <int64_t Keys>
+LLMSERVE_AVX512 void mask_hidden_keys(float (&scores)[kAmxRows][Keys], int64_t first_row_sees, int64_t rows) {
   const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t m = 0; m < kAmxRows; ++m) {
-    const int64_t seen = std::clamp<int64_t>(first_row_sees + std::min(m, rows - 1), 0, kKeyBlock);
-    for (int v = 0; v < kKeyVecs; ++v) {
+    const int64_t seen = std::clamp<int64_t>(first_row_sees + std::min(m, rows - 1), 0, Keys);
+    for (int64_t v = 0; v < Keys / kLanes; ++v) {
       const __mmask16 hide = static_cast<__mmask16>(~first_lanes(seen - v * kLanes));
       if (hide != 0) _mm512_mask_storeu_ps(scores[m] + v * kLanes, hide, minus_inf);
     }
@@ -452,7 +454,7 @@ LLMSERVE_AMX void run_task_amx(const Problem& pb, int64_t hq, int64_t t0, int64_
       }
     }
   }
-  store_rows(pb, hq, t0, rows, st.o.data(), st.sum);
+  store_rows(pb, hq, t0, rows, st.o.data(), pb.Dv, st.sum);
 }
 
 // ---- AMX, value accumulators held in tiles (value heads of at most 64 dims) ------------------------------
@@ -488,19 +490,6 @@ LLMSERVE_AMX void flush_output_tiles(AmxResidentState& st, int groups, const flo
     for (int g = 0; g < groups; ++g) {
       float* o = st.o[m] + g * kLanes;
       _mm512_store_ps(o, _mm512_mul_ps(_mm512_add_ps(_mm512_load_ps(o), _mm512_load_ps(st.pv[m] + g * kLanes)), c));
-    }
-  }
-}
-
-// Scores of half a block some rows see only in part: row m (up to the last live row, `rows` - 1) sees its first
-// `first_row_sees` + m of the 32 keys (clamped to [0, 32]); the rest become -inf.
-LLMSERVE_AVX512 void mask_hidden_half(float (&scores)[kAmxRows][kHalfBlock], int64_t first_row_sees, int64_t rows) {
-  const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int64_t m = 0; m < kAmxRows; ++m) {
-    const int64_t seen = std::clamp<int64_t>(first_row_sees + std::min(m, rows - 1), 0, kHalfBlock);
-    for (int v = 0; v < 2; ++v) {
-      const __mmask16 hide = static_cast<__mmask16>(~first_lanes(seen - v * kLanes));
-      if (hide != 0) _mm512_mask_storeu_ps(scores[m] + v * kLanes, hide, minus_inf);
     }
   }
 }
@@ -541,7 +530,7 @@ LLMSERVE_AMX void run_task_amx_resident(const Problem& pb, int64_t hq, int64_t t
     _tile_stored(4, &st.scores[0][0], kHalfBlock * sizeof(float));
     _tile_stored(5, &st.scores[0][0] + kAmxDimGroup, kHalfBlock * sizeof(float));
     const int64_t first_row_sees = pb.prefix + t0 + 1 - hb * kHalfBlock;
-    if (first_row_sees < kHalfBlock) mask_hidden_half(st.scores, first_row_sees, rows);
+    if (first_row_sees < kHalfBlock) mask_hidden_keys(st.scores, first_row_sees, rows);
     __m512 row_peaks[kAmxRows];
     for (int64_t m = 0; m < kAmxRows; ++m)
       row_peaks[m] = _mm512_max_ps(_mm512_load_ps(st.scores[m]), _mm512_load_ps(st.scores[m] + kLanes));
@@ -582,13 +571,7 @@ LLMSERVE_AMX void run_task_amx_resident(const Problem& pb, int64_t hq, int64_t t
   alignas(64) float one[kAmxRows];
   std::fill(one, one + kAmxRows, 1.f);
   flush_output_tiles(st, groups, one);
-  for (int64_t m = 0; m < rows; ++m) {
-    const __m512 inv = _mm512_set1_ps(1.f / st.sum[m]);
-    uint16_t* dst = pb.out + ((t0 + m) * pb.Hq + hq) * pb.Dv;
-    for (int g = 0; g < groups; ++g)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + g * kLanes),
-                          llmserve::to_bf16(_mm512_mul_ps(_mm512_load_ps(st.o[m] + g * kLanes), inv)));
-  }
+  store_rows(pb, hq, t0, rows, &st.o[0][0], 4 * kAmxDimGroup, st.sum);
 }
 
 bool amx_fits(int64_t Dk, int64_t Dv) { return llmserve::cpu_has_amx_bf16() && Dk % 32 == 0 && Dv % 16 == 0; }
@@ -673,7 +656,6 @@ Problem pack_unit(const Shapes& sh, const Request& r, const Unit& u, int64_t blo
                  sh.scale, packed, packed + key_words, sh.out + r.q_start * sh.Hq * sh.Dv};
 }
 
-// The query heads of kv head h: [h * group, (h + 1) * group).
 // Tasks of a unit: its query blocks x the query heads sharing its kv head.
 int64_t tasks_of(const Unit& u, const Shapes& sh) { return (u.block_end - u.block_begin) * (sh.Hq / sh.Hkv); }
 
@@ -708,6 +690,8 @@ class ContextPrefetch {
   int64_t end_ = 0, per_task_ = 0, pos_ = 0;
 };
 
+// The unit's tasks, the last query blocks (the most keys) first; kv head h's query heads are
+// [h * group, (h + 1) * group).
 template <class RunTask>
 void run_unit(const Problem& pb, const Unit& u, int64_t block_rows, RunTask&& run_task) {
   const int64_t group = pb.Hq / pb.Hkv;
@@ -821,13 +805,11 @@ at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& keys, const a
                             const c10::optional<at::Tensor>& slots_opt, int64_t prefix, double scale, int64_t impl) {
   constexpr const char* fn = "extend_attention";
   check_query(q, fn);
-  TORCH_CHECK(impl >= 0 && impl <= 2, fn, ": impl must be 0 (auto), 1 (avx512_bf16) or 2 (amx_bf16)");
   const int64_t T = q.size(0), Hq = q.size(1), Dk = q.size(2), Hkv = keys.dim() == 3 ? keys.size(1) : 0;
   check_kv(keys, fn, "keys", Hkv);
   check_kv(values, fn, "values", Hkv);
   const int64_t Dv = values.size(2);
-  TORCH_CHECK(keys.size(2) == Dk, fn, ": keys must have the query's even head dim (", Dk, "), values a multiple of "
-              "32 (", Dv, ")");
+  TORCH_CHECK(keys.size(2) == Dk, fn, ": keys must have the query's head dim (", Dk, ")");
   const int64_t path = check_path(impl, Hq, Hkv, Dk, Dv, fn);
   TORCH_CHECK(prefix >= 0, fn, ": prefix must be >= 0");
   const int64_t C = prefix + T;
