@@ -12,7 +12,7 @@ namespace llmserve {
 constexpr int64_t kPackedGroup = 16;  // outputs per packed group
 
 struct PackedBf16Call {
-  at::Tensor x;       // [rows, K] contiguous, zero rows appended up to a multiple of row_multiple
+  at::Tensor x;       // [rows, K] contiguous
   at::Tensor bias32;  // [groups * 16] fp32, zero padded (undefined without a bias)
   at::Tensor y;       // [rows, N] bf16
   std::vector<int64_t> shape;  // x's leading dims and N: y's view for the caller
@@ -21,8 +21,7 @@ struct PackedBf16Call {
 
 // x [..., K] bf16, bias [N] or none. op names the caller in errors.
 inline PackedBf16Call begin_packed_bf16_call(const at::Tensor& x, const at::Tensor& packed, int64_t n,
-                                             const c10::optional<at::Tensor>& bias, const char* op,
-                                             int64_t row_multiple = 1) {
+                                             const c10::optional<at::Tensor>& bias, const char* op) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16, op, ": bfloat16");
   PackedBf16Call c;
   c.k = x.size(-1);
@@ -33,12 +32,6 @@ inline PackedBf16Call begin_packed_bf16_call(const at::Tensor& x, const at::Tens
               ": weight shape");
   c.x = x.reshape({-1, c.k}).contiguous();
   c.rows = c.x.size(0);
-  const int64_t padded_rows = (c.rows + row_multiple - 1) / row_multiple * row_multiple;
-  if (padded_rows != c.rows) {  // the padding rows' outputs are never stored
-    at::Tensor padded = at::zeros({padded_rows, c.k}, c.x.options());
-    padded.narrow(0, 0, c.rows).copy_(c.x);
-    c.x = padded;
-  }
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->numel() == n, op, ": bias shape");
     // Padded to whole groups so the last group's masked load never needs a bound of its own.
