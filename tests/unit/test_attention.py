@@ -289,7 +289,7 @@ def test_extend_through_this_projects_kernel_equals_sdpa():
     if CPU_OPS is None or not CPU_OPS.extend_attention_available():
         pytest.skip("this CPU lacks AVX512-BF16 (or the C++ kernels did not build): the extend kernel cannot run")
     kernels = ["avx512_bf16"] + (["amx_bf16"] if CPU_OPS.extend_attention_amx_available() else [])
-    outs, ops_run = {}, {}
+    outs, ops_run, contexts_built = {}, {}, {}
     for impl in ["sdpa", *kernels]:
         backend = TorchNativeAttentionBackend(decode_impl="avx2", cpu_ops=CPU_OPS, extend_impl=impl)
         batch, layer, q, k, v = _mixed_extend_batch(backend, torch.bfloat16, heads=9, kv_heads=3, dim=64)
@@ -297,10 +297,30 @@ def test_extend_through_this_projects_kernel_equals_sdpa():
         with torch.profiler.profile() as prof:
             outs[impl] = backend.forward(q, k, v, layer, batch).float()
         ops_run[impl] = {event.key for event in prof.key_averages()}
+        contexts_built[impl] = "contexts" in batch.attn_metadata.__dict__
     for impl in kernels:
         torch.testing.assert_close(outs[impl], outs["sdpa"], rtol=0, atol=1.6e-2)
         # The fresh prompt and the chunk went through the kernel, in one call, and SDPA did not run.
         assert "llmserve_cpu::extend_attention_batch" in ops_run[impl]
         assert "llmserve_cpu::extend_attention" not in ops_run[impl]
         assert not any("scaled_dot_product" in op for op in ops_run[impl])
+        # Nor were the per-request slots and masks only SDPA reads built (ExtendMetadata.contexts, on first use).
+        assert not contexts_built[impl]
     assert not any(op.startswith("llmserve_cpu::extend_attention") for op in ops_run["sdpa"])
+    assert contexts_built["sdpa"]
+
+
+def test_the_per_request_contexts_the_sdpa_path_reads():
+    """ExtendMetadata.contexts, built on first use: for a request over a cached prefix, all its slots and its
+    new tokens' causal mask (token i sees the prefix and new tokens 0..i); nothing for a fresh prompt or the
+    one-token rows (attended as one decode)."""
+    backend = TorchNativeAttentionBackend(decode_impl="sdpa")
+    batch, _, _, _, _ = _mixed_extend_batch(backend, torch.float32)
+    backend.prepare(batch)
+    contexts = batch.attn_metadata.contexts
+    assert contexts.slots[0] is None and contexts.masks[0] is None  # the fresh prompt: plain causal
+    assert all(contexts.slots[i] is None and contexts.masks[i] is None for i in (2, 3, 4))  # the one-token rows
+    assert torch.equal(contexts.slots[1], batch.req_to_token[1, :13])
+    expected = torch.ones(4, 13, dtype=torch.bool).tril(diagonal=9)  # prefix of 9, then causal over 4 new tokens
+    assert torch.equal(contexts.masks[1], expected)
+    assert batch.attn_metadata.contexts is contexts  # built once a step

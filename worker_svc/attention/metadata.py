@@ -1,10 +1,12 @@
 """Per-step attention metadata over the request -> token table, built once per step and shared by every
-layer: the padded slot index and length mask of a decode, the per-request context slots and causal masks
-of an extend. The MHA and MLA torch-native backends both use it."""
+layer: the padded slot index and length mask of a decode; an extend's rows as the batched kernel takes them,
+and (built on first use) the per-request context slots and causal masks. The MHA and MLA torch-native
+backends both use it."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, field
 
 import torch
 
@@ -40,13 +42,43 @@ class ExtendRows:
 
 
 @dataclass
+class RequestContexts:
+    """Per request of an extend step: all its slots (cached prefix and new tokens) and its new tokens' causal
+    mask over them ([extend, seq] bool); both None when it has no prefix (a plain causal prefill) or is one of
+    ``one_token``'s."""
+
+    slots: list[torch.Tensor | None]
+    masks: list[torch.Tensor | None]
+
+
+@dataclass
 class ExtendMetadata:
     token_offsets: list[int]  # start of each request in the packed new tokens
-    # per request: all cached slots, None when there is no prefix (or the request is in one_token)
-    context_slots: list[torch.Tensor | None]
-    masks: list[torch.Tensor | None]  # per request [extend, seq] bool, None for a plain causal prefill
     extends: ExtendRows
-    one_token: OneTokenRows | None = None  # only when asked for (prepare_extend's group_one_token)
+    one_token: OneTokenRows | None  # only when asked for (prepare_extend's group_one_token)
+    # What ``contexts`` is built from: the request -> token table, each request's row, prefix and length.
+    req_to_token: torch.Tensor = field(repr=False)
+    rows: list[int] = field(repr=False)
+    prefix_lens: list[int] = field(repr=False)
+    seq_lens: list[int] = field(repr=False)
+
+    @functools.cached_property
+    def contexts(self) -> RequestContexts:
+        """Built on first use, once a step: the batched extend kernel reads ``extends`` instead; the SDPA
+        fallback and the MLA backend read these."""
+        grouped = set(self.one_token.requests) if self.one_token is not None else set()
+        contexts = RequestContexts(slots=[], masks=[])
+        for i, (row, prefix, seq) in enumerate(zip(self.rows, self.prefix_lens, self.seq_lens, strict=True)):
+            if prefix == 0 or i in grouped:
+                contexts.slots.append(None)
+                contexts.masks.append(None)
+                continue
+            contexts.slots.append(self.req_to_token[row, :seq])
+            # Query i (absolute position prefix + i) sees keys 0 .. prefix + i.
+            q_pos = torch.arange(prefix, seq, device=self.req_to_token.device)[:, None]
+            k_pos = torch.arange(seq, device=self.req_to_token.device)[None, :]
+            contexts.masks.append(k_pos <= q_pos)
+        return contexts
 
 
 def prepare_metadata(batch: ForwardBatch, group_one_token: bool = False) -> DecodeMetadata | ExtendMetadata:
@@ -83,21 +115,17 @@ def prepare_decode_fixed(
 
 
 def prepare_extend(batch: ForwardBatch, group_one_token: bool = False) -> ExtendMetadata:
-    """``group_one_token``: requests adding one token to a cached prefix go into ``one_token`` (their
-    per-request entries stay None)."""
+    """``group_one_token``: requests adding one token to a cached prefix go into ``one_token`` (attended
+    together as one decode) instead of ``extends``."""
     offsets: list[int] = []
-    slots: list[torch.Tensor | None] = []
-    masks: list[torch.Tensor | None] = []
     one_token: list[int] = []
     extends = ExtendRows(q_starts=[], lens=[], prefix_lens=[], prefix_slots=torch.empty(0, dtype=torch.int64))
     prefix_slots: list[torch.Tensor] = []
+    rows = batch.req_rows.tolist()
     offset = 0
-    device = batch.input_ids.device
-    for i, (row, prefix, seq) in enumerate(zip(batch.req_rows.tolist(), batch.prefix_lens, batch.seq_lens,
-                                               strict=True)):
+    for i, (row, prefix, seq) in enumerate(zip(rows, batch.prefix_lens, batch.seq_lens, strict=True)):
         offsets.append(offset)
-        rides = prefix > 0 and group_one_token and seq - prefix == 1  # attended with one_token's decode
-        if rides:
+        if prefix > 0 and group_one_token and seq - prefix == 1:  # a rider: attended with one_token's decode
             one_token.append(i)
         else:
             extends.q_starts.append(offset)
@@ -106,19 +134,14 @@ def prepare_extend(batch: ForwardBatch, group_one_token: bool = False) -> Extend
             if prefix > 0:
                 prefix_slots.append(batch.req_to_token[row, :prefix])
         offset += seq - prefix
-        if prefix == 0 or rides:
-            slots.append(None)
-            masks.append(None)
-            continue
-        slots.append(batch.req_to_token[row, :seq])
-        # Query i (absolute position prefix + i) sees keys 0 .. prefix + i.
-        q_pos = torch.arange(prefix, seq, device=device)[:, None]
-        k_pos = torch.arange(seq, device=device)[None, :]
-        masks.append(k_pos <= q_pos)
     if prefix_slots:
         extends.prefix_slots = torch.cat(prefix_slots).to(torch.int64)
-    return ExtendMetadata(token_offsets=offsets, context_slots=slots, masks=masks, extends=extends,
-                          one_token=_one_token_rows(batch, one_token, offsets) if one_token else None)
+    return ExtendMetadata(
+        token_offsets=offsets, extends=extends,
+        one_token=_one_token_rows(batch, one_token, offsets) if one_token else None,
+        req_to_token=batch.req_to_token, rows=rows, prefix_lens=list(batch.prefix_lens),
+        seq_lens=list(batch.seq_lens),
+    )
 
 
 def _one_token_rows(batch: ForwardBatch, requests: list[int], offsets: list[int]) -> OneTokenRows:

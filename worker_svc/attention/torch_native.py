@@ -170,18 +170,19 @@ class TorchNativeAttentionBackend:
             self._extend_kernel(q, k, v, k_buf, v_buf, ext.prefix_slots, ext.q_starts, ext.lens, ext.prefix_lens,
                                 layer.scaling, out=out)
             return out
+        contexts = meta.contexts
         for i, start in enumerate(meta.token_offsets):
             if i in grouped:
                 continue
             end = start + batch.seq_lens[i] - batch.prefix_lens[i]
-            if meta.context_slots[i] is None:
+            if contexts.slots[i] is None:
                 out[start:end] = attend_tokens_first(
                     q[start:end], k[start:end], v[start:end], is_causal=True, scale=layer.scaling, enable_gqa=True
                 )
             else:
-                slots = meta.context_slots[i]
+                slots = contexts.slots[i]
                 out[start:end] = attend_tokens_first(
-                    q[start:end], k_buf[slots], v_buf[slots], attn_mask=meta.masks[i], scale=layer.scaling,
+                    q[start:end], k_buf[slots], v_buf[slots], attn_mask=contexts.masks[i], scale=layer.scaling,
                     enable_gqa=True,
                 )
         return out

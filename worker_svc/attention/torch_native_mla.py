@@ -84,9 +84,10 @@ class TorchNativeMLABackend:
         buf = _latent_pool(batch).buffer(layer.layer_id)
         query = torch.cat((q_nope, q_pe), dim=-1)  # [tokens, heads, qk_head]
         out = q_nope.new_empty(q_nope.shape[0], layer.num_heads, layer.v_head_dim)
+        contexts = meta.contexts
         for i, start in enumerate(meta.token_offsets):
             end = start + batch.seq_lens[i] - batch.prefix_lens[i]
-            slots = meta.context_slots[i]
+            slots = contexts.slots[i]
             keys, values = self._keys_values(latent[start:end] if slots is None else buf[slots], layer)
             if self.row_wise:
                 out[start:end] = self._attend_rows(query[start:end], keys, values, batch.prefix_lens[i], layer)
@@ -96,7 +97,8 @@ class TorchNativeMLABackend:
                                                      layer.scaling)
                 continue
             out[start:end] = attend_tokens_first(
-                query[start:end], keys, values, attn_mask=meta.masks[i], is_causal=slots is None, scale=layer.scaling
+                query[start:end], keys, values, attn_mask=contexts.masks[i], is_causal=slots is None,
+                scale=layer.scaling,
             )
         return out
 
