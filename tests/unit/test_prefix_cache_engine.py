@@ -171,6 +171,39 @@ def test_samples_of_one_prompt_share_its_kv_after_their_prefill(models):
     assert_all_released(engine)
 
 
+@pytest.mark.parametrize("arch", ["llama", "deepseek_v2"])
+def test_a_burst_on_a_new_shared_prefix_computes_it_once(models, arch):
+    """Requests arriving together on a 100-token prefix nobody has computed yet (a new system prompt; the n
+    samples of a long prompt): the first computes it (in chunks), the others wait for it in the queue and
+    take it from the cache (sglang's in-batch prefix caching) while an unrelated request behind them goes
+    ahead. Same outputs as the cache-off engine, which computes the prefix for each of them."""
+    rng = random.Random(12)
+    shared = _tokens(rng, 100)
+    arrivals: list[Arrival] = [
+        (0, shared + _tokens(rng, 10), GREEDY),
+        (0, shared + _tokens(rng, 6), GREEDY),
+        (0, _tokens(rng, 40), GREEDY),  # unrelated: not held behind the waiting ones
+        (0, shared + _tokens(rng, 8), dataclasses.replace(SAMPLED, n=2)),
+    ]
+    results, computed = {}, {}
+    for radix in (False, True):
+        # Without mixed steps every token of an extend step is a prompt token.
+        runner = RecordingRunner(ModelRunner(_config(models[arch], disable_radix_cache=not radix,
+                                                     chunked_prefill_size=64, max_prefill_tokens=128,
+                                                     enable_mixed_chunk=False)))
+        engine = Engine(runner.engine_config, runner=runner)
+        results[radix] = _run(engine, arrivals)
+        computed[radix] = sum(n for mode, n, _ in runner.steps if mode is ForwardMode.EXTEND)
+        assert_all_released(engine)
+    _assert_same_outputs(results[True], results[False])
+    on = results[True]
+    assert [r.cached_prompt_tokens for r in on] == [0, 100, 0, 100, 100]  # the prefix, once for four requests
+    assert computed[False] == 110 + 106 + 40 + 2 * 108 and computed[True] == 110 + 6 + 40 + 2 * 8
+    # The unrelated request was admitted before the ones waiting for the prefix: it decoded first.
+    assert on[2].first_token_time is not None and on[1].first_token_time is not None
+    assert on[2].first_token_time < on[1].first_token_time
+
+
 def test_flush_cache_is_refused_while_requests_run(models):
     engine = Engine(_config(models["llama"]))
     req = engine.submit(_tokens(random.Random(7), 12), GREEDY)

@@ -618,3 +618,13 @@ def test_submit_from_threads_while_stepping(tiny_model):
         assert req.finish_reason is FinishReason.LENGTH
         assert req.output_ids == expected[tuple(req.prompt_ids)]
     _assert_all_released(engine)
+
+
+def test_a_requests_tokens_slice_its_prompt_and_output_as_fill_ids_does():
+    from worker_svc.engine.request import Request
+
+    req = Request(rid="r", prompt_ids=[1, 2, 3, 4], params=SamplingParams(), noise_key=0)
+    req.output_ids = [5, 6, 7]
+    for start in range(8):
+        for end in range(start, 8):
+            assert req.tokens(start, end) == req.fill_ids[start:end], (start, end)

@@ -59,6 +59,15 @@ class Request:
         """Every token whose KV the request needs: the prompt plus what it has generated so far."""
         return self.prompt_ids + self.output_ids
 
+    def tokens(self, start: int, end: int) -> list[int]:
+        """``fill_ids[start:end]`` without building ``fill_ids`` (a copy of the whole prompt)."""
+        n = len(self.prompt_ids)
+        if end <= n:
+            return self.prompt_ids[start:end]
+        if start >= n:
+            return self.output_ids[start - n : end - n]
+        return self.prompt_ids[start:] + self.output_ids[: end - n]
+
     @property
     def seq_len(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)

@@ -51,6 +51,10 @@ from worker_svc.sampling import (
 
 log = structlog.get_logger(__name__)
 
+# A waiting request whose next this many uncached tokens another request computes in the same step waits a
+# step for them (Scheduler._computed_alongside; sglang's in-batch prefix caching threshold is also 32).
+IN_STEP_SHARED_TOKENS = 32
+
 
 @dataclass(frozen=True)
 class QueueCounts:
@@ -260,23 +264,27 @@ class Scheduler:
             if req.num_cached + n < req.seq_len:
                 return batch  # one chunked request at a time
         admitted: list[Request] = []
+        deferred: list[Request] = []  # wait a step: a request computing now computes their beginning too
         while self.waiting and budget > 0:
             full = len(self.running) + len(batch) >= self.engine_config.max_running_requests
             if full or not self.req_table.available():
                 break
-            req = self.waiting[0]
+            req = self.waiting.popleft()
             prefix, node = self._match(req)
+            cached = int(prefix.numel())
+            if self._computed_alongside(req, cached, batch):
+                deferred.append(req)
+                continue
             if node is not None:  # pinned first, so what the budget counts as evictable excludes it
                 assert self.cache is not None
                 self.cache.lock(node)
-            cached = int(prefix.numel())
             reserve = math.ceil(self.engine_config.new_token_reserve_ratio * req.remaining_new_tokens)
             if req.seq_len - cached + reserve > self._free_capacity() - taken - self._reserved_for_decode(admitted):
                 if node is not None:
                     assert self.cache is not None
                     self.cache.unlock(node)
+                self.waiting.appendleft(req)
                 break  # first come, first served: do not let later requests overtake it
-            self.waiting.popleft()
             row = self.req_table.alloc()
             assert row is not None  # checked above
             req.req_row = row
@@ -297,7 +305,30 @@ class Scheduler:
             if cached + n < req.seq_len:
                 self.chunked = req
                 break
+        self.waiting.extendleft(reversed(deferred))  # back at the head, in their order
         return batch
+
+    def _computed_alongside(self, req: Request, cached: int, batch: list[tuple[Request, int]]) -> bool:
+        """Whether a request in this step's batch (or the one part-way through chunked prefill) shares the
+        first IN_STEP_SHARED_TOKENS tokens ``req`` would compute: those are not cached yet because that
+        request computes them, so ``req`` waits and finds them in the cache instead of computing them a
+        second time (sglang's in-batch prefix caching; e.g. a burst of requests on a new system prompt, or
+        the n samples of a long prompt). Only with the prefix cache, and only for that many tokens or more."""
+        if self.cache is None:
+            return False
+        end = cached + IN_STEP_SHARED_TOKENS
+        if end >= req.seq_len:  # the last token is computed anyway; a short rest is not worth a step
+            return False
+        others = [other for other, _ in batch]
+        if self.chunked is not None:
+            others.append(self.chunked)
+        uncached = req.tokens(cached, end)
+        # The uncached tokens first (IN_STEP_SHARED_TOKENS of them), the cached prefix only where those match.
+        return any(
+            other.seq_len >= end and other.tokens(cached, end) == uncached
+            and other.tokens(0, cached) == req.tokens(0, cached)
+            for other in others
+        )
 
     # ---- the radix prefix cache ------------------------------------------------------------------
 
