@@ -11,7 +11,8 @@
 #
 # PARTS (default "vllm ours direct") runs only the parts named: vLLM's server, ours behind smg, router vs worker.
 # OURS_FLAGS: extra worker flags for part 2 (e.g. "--enable-torch-compile"). ROUNDS: rounds of part 3 (default 2).
-# ROUTER_FLAGS: extra router flags for part 3 (e.g. "--detokenize service").
+# ROUTER_FLAGS: extra router flags for part 3 (e.g. "--detokenize service"). PREFIX_ROUNDS: rounds of the
+# shared-prefix workload with our cache on and off (default 2; ABBA order).
 set -euo pipefail
 parts=" ${PARTS:-vllm ours direct} "
 model=$(realpath "${1:?usage: benchmarks/serving_peers.sh MODEL VLLM_PYTHON [OUT]}")
@@ -73,6 +74,32 @@ ours() {  # ours TAG EXTRA_WORKER_FLAGS...: start worker + smg, run the clients,
 if [[ $parts == *" ours "* ]]; then
     ours cache
     ours nocache --disable-radix-cache
+    # More rounds of the shared-prefix workload, cache on and off in ABBA order: the host's speed drifts
+    # within a sitting, and one run of each put a slow minute on one side only.
+    for round in $(seq 2 "${PREFIX_ROUNDS:-2}"); do
+        if (( round % 2 == 0 )); then
+            ours "nocache_r$round" --disable-radix-cache; ours "cache_r$round"
+        else
+            ours "cache_r$round"; ours "nocache_r$round" --disable-radix-cache
+        fi
+    done
+    "$py" - "$out" <<'PY'
+import pathlib, re, statistics, sys
+p50 = {}  # (round, "cache" | "nocache") -> client's TTFT p50, ms
+for path in pathlib.Path(sys.argv[1]).glob("ours_prefix_*.txt"):
+    name = re.fullmatch(r"ours_prefix_(cache|nocache)(?:_r(\d+))?\.txt", path.name)
+    ttft = re.search(r"Median TTFT \(ms\):\s+([\d.]+)", path.read_text())
+    if name and ttft:
+        p50[(int(name.group(2) or 1), name.group(1))] = float(ttft.group(1))
+rounds = sorted({r for r, _ in p50 if (r, "cache") in p50 and (r, "nocache") in p50})
+for r in rounds:
+    on, off = p50[(r, "cache")], p50[(r, "nocache")]
+    print(f"prefix TTFT p50, round {r}: cache on {on:.1f} ms, off {off:.1f} ms: {off / on:.2f}x")
+if rounds:
+    on = statistics.median(p50[(r, "cache")] for r in rounds)
+    off = statistics.median(p50[(r, "nocache")] for r in rounds)
+    print(f"prefix TTFT p50, median of {len(rounds)} rounds: cache on {on:.1f} ms, off {off:.1f} ms: {off / on:.2f}x")
+PY
 fi
 [[ $parts == *" direct "* ]] || { echo "reports in $out"; exit 0; }
 
