@@ -3,7 +3,7 @@
 # threads, bf16, bs 1 and 16, input 128, output 64), the order swapped every round; prints each round's
 # median decode step and prefill, and the ratios of the medians.
 #
-#   benchmarks/ab_flag.sh MODEL FLAG [ROUNDS]       e.g. benchmarks/ab_flag.sh .models/smollm2-135m-instruct --disable-fused-decode
+#   benchmarks/ab_flag.sh MODEL FLAG [ROUNDS]       e.g. benchmarks/ab_flag.sh .models/smollm2-135m-instruct --disable-fused-layers
 #
 # EXTRA_FLAGS are passed to both sides (e.g. "--torchao-config int4wo-32 --quantize-lm-head"). BATCHES (default
 # "1 16") and INPUT_LEN (default 128) change the shapes. FLAG may hold a value: "--malloc-mmap-threshold glibc".

@@ -3,8 +3,8 @@
 Loads the model as the worker would (same kernel plan, same quantization), then replays one bs1 decode
 step's linears, in the model's order, with one-row inputs: the weight bytes they read divided by their
 time is their effective bandwidth. Twice: each linear called from Python as the modules call it, and (where
-fused decode is on, executor/fused_decode.py) the layers' linears as the fused step calls them, from C++
-(``DecodeLayers.time_linears``), with the LM head from Python. The host's read bandwidth is measured in the
+the fused layers are on, executor/fused_layers.py) the layers' linears as the fused step calls them, from C++
+(``FusedLayers.time_linears``), with the LM head from Python. The host's read bandwidth is measured in the
 same process, interleaved with the linears round by round: fp32 sums over a buffer far larger than the
 caches, on the same threads. Each round's ratio is taken and the median over rounds reported (this VM's
 read bandwidth moves 27-48 GB/s within a minute with its neighbours' load).
@@ -75,13 +75,13 @@ def decode_linears(model: nn.Module) -> list[tuple[nn.Module, int, int]]:
 
 def linear_bandwidth(runner: ModelRunner, rounds: int = 9, repeats: int = 5) -> dict[str, Any]:
     """The linears' and the probe's bandwidth, interleaved: each round times the probe, then the linears
-    called from Python, then (with fused decode) as the fused step calls them, each the best of
+    called from Python, then (with the fused layers) as the fused step calls them, each the best of
     ``repeats``. A neighbour's load on the shared memory bus moves all three of a round alike, so a
     round's ratio is steadier than two figures taken seconds apart; the medians are reported."""
     linears = decode_linears(runner.model)
     inputs = [torch.randn(1, k).to(runner.dtype) for _, k, _ in linears]
     heads = [(m, x) for (m, _, _), x in zip(linears, inputs, strict=True) if isinstance(m, ParallelLMHead)]
-    fused = runner.fused_decode
+    fused = runner.fused_layers
 
     def python_step() -> None:
         for (module, _, _), x in zip(linears, inputs, strict=True):
@@ -156,7 +156,7 @@ def main() -> None:
           f"(medians of {result['rounds']} interleaved rounds)")
     if "fused_linears_gbs" in result:
         low, high = result["fused_fraction_range"]
-        print(f"as the fused decode step calls them: {result['fused_linears_ms']:.2f} ms, "
+        print(f"as the fused step calls them: {result['fused_linears_ms']:.2f} ms, "
               f"{result['fused_linears_gbs']:.1f} GB/s = {result['fused_fraction_of_host']:.0%} "
               f"(rounds {low:.0%}-{high:.0%})")
 

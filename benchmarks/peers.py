@@ -253,7 +253,7 @@ def main() -> None:
               f"bandwidth ({shares}; median {statistics.median(fractions):.0%}), each called from Python")
         fused = [b["fused_fraction_of_host"] for b in runs if "fused_fraction_of_host" in b]
         if fused:
-            print(f"bs1 {name} linears as the fused decode step calls them: "
+            print(f"bs1 {name} linears as the fused step calls them: "
                   + " / ".join(format(b["fused_linears_gbs"], ".1f") for b in runs if "fused_linears_gbs" in b)
                   + f" GB/s ({' / '.join(format(f, '.0%') for f in fused)}; median {statistics.median(fused):.0%})")
     for line in skipped:

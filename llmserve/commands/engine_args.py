@@ -92,9 +92,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="Linux: run the step thread and its OpenMP team at nice N (0..19, default 0: unchanged), "
                    "so the worker's gRPC thread and a router, tokenizer or client sharing its cores get a core "
                    "at once instead of waiting for the forward (first-token latency on shared cores)")
-    g.add_argument("--disable-fused-decode", action="store_true",
+    g.add_argument("--disable-fused-layers", "--disable-fused-decode", action="store_true",
                    help="CPU: run decode and extend steps layer by layer from Python instead of one C++ call over "
-                   "the layers (same kernels, same logits; for A/B runs)")
+                   "the layers (same kernels, same logits; for A/B runs). --disable-fused-decode: its former name")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -124,7 +124,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         cuda_graph_max_bs=getattr(args, "cuda_graph_max_bs", None),
         enable_torch_compile=getattr(args, "enable_torch_compile", False),
         torch_compile_max_bs=getattr(args, "torch_compile_max_bs", 32),
-        disable_fused_decode=getattr(args, "disable_fused_decode", False),
+        disable_fused_layers=getattr(args, "disable_fused_layers", False),
         compute_nice=getattr(args, "compute_nice", 0),
     )
 

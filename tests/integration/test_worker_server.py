@@ -350,7 +350,7 @@ def test_server_info(stub):
     assert kernels["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
     assert kernels["attention"] == "torch_native" and kernels["bf16_linear"] == "aten"  # an fp32 model
     assert kernels["rms_norm"] in ("avx2", "torch") and "deterministic" not in kernels
-    assert sched["fused_decode"].startswith("off: dtype torch.float32") or sched["fused_decode"].startswith("off: this")
+    assert sched["fused_layers"].startswith("off: dtype torch.float32") or sched["fused_layers"].startswith("off: this")
     args = json_format.MessageToDict(info.server_args)
     assert args["model_path"] == "" and args["tp_size"] == 1
     assert args["chunked_prefill_size"] == WORKER_ENGINE["chunked_prefill_size"]

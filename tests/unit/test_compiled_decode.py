@@ -66,7 +66,7 @@ def test_compiled_decode_gives_the_eager_logits(model_factory, torchao_config, b
     at every decode step, bit for bit (inductor rounds where eager does: emulate_precision_casts)."""
     model_dir = model_factory("tiny")
     config = _engine_config(model_dir, torchao_config=torchao_config, cpu_bf16_linear=bf16_linear)
-    eager = Requests(ModelRunner(dataclasses.replace(config, disable_fused_decode=True)))  # layer by layer
+    eager = Requests(ModelRunner(dataclasses.replace(config, disable_fused_layers=True)))  # layer by layer
     compiled_runner = ModelRunner(dataclasses.replace(config, enable_torch_compile=True, torch_compile_max_bs=4))
     compiled = compiled_runner.compiled_decode
     assert compiled is not None and compiled_runner.torch_compile == "on"

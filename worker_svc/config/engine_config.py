@@ -93,11 +93,11 @@ class EngineConfig:
     enable_torch_compile: bool = False
     torch_compile_max_bs: int = 32
 
-    # Fused decode on the CPU (executor/fused_decode.py): a Llama decode step's layers (and an extend step's,
+    # Fused layers on the CPU (executor/fused_layers.py): a Llama decode step's layers (and an extend step's,
     # on bf16 with this project's extend attention) run in one C++ call over the weights bound at load, with
     # the same kernels in the same order (same logits), instead of ~10-15 Python module calls per layer. On
     # where the model and its kernels allow it.
-    disable_fused_decode: bool = False
+    disable_fused_layers: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

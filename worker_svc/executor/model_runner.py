@@ -19,7 +19,7 @@ from worker_svc.config.engine_config import EngineConfig
 from worker_svc.config.model_config import ModelConfig, load_model_config
 from worker_svc.executor.compiled_decode import build_compiled_decode
 from worker_svc.executor.cuda_graph_runner import CudaGraphRunner, graph_plan
-from worker_svc.executor.fused_decode import build_fused_decode
+from worker_svc.executor.fused_layers import build_fused_layers
 from worker_svc.executor.kernel_choice import KernelPlan, apply_kernels, attention_backend, choose_kernels
 from worker_svc.executor.model_loader import load_checkpoint
 from worker_svc.executor.quantize import (
@@ -119,7 +119,7 @@ class ModelRunner:
         self.cuda_graphs = self._build_cuda_graphs()
         self.compiled_decode, self._compile_off_reason = build_compiled_decode(
             engine_config, self.model, self.tp, self.kv, self.attn_backend, self.device)
-        self.fused_decode, self._fused_off_reason = build_fused_decode(
+        self.fused_layers, self._fused_off_reason = build_fused_layers(
             engine_config, self.model, self.tp, self.kv, self.kernels, self.device, self.dtype)
 
     def _load_model(self, quant: QuantConfig, kernels: KernelPlan) -> nn.Module:
@@ -181,9 +181,9 @@ class ModelRunner:
         return f"off: {compiled.failed}" if compiled.failed else "on"
 
     @property
-    def fused_decode_state(self) -> str:
-        """"on", or "off: <why>" (GetServerInfo's scheduler_info.fused_decode)."""
-        return "on" if self.fused_decode is not None else f"off: {self._fused_off_reason}"
+    def fused_layers_state(self) -> str:
+        """"on", or "off: <why>" (GetServerInfo's scheduler_info.fused_layers)."""
+        return "on" if self.fused_layers is not None else f"off: {self._fused_off_reason}"
 
     def _build_cuda_graphs(self) -> CudaGraphRunner | None:
         capability = torch.cuda.get_device_capability(self.device) if self.device.type == "cuda" else None
@@ -224,8 +224,8 @@ class ModelRunner:
             return logits
         if self.compiled_decode is not None and self.compiled_decode.accepts(step):
             return self.compiled_decode.forward(self._prepared(step))
-        if self.fused_decode is not None and self.fused_decode.accepts(step):
-            return self.fused_decode.forward(self._prepared(step))
+        if self.fused_layers is not None and self.fused_layers.accepts(step):
+            return self.fused_layers.forward(self._prepared(step))
         return self.model(self._prepared(step))
 
     def _prepared(self, step: StepInput) -> ForwardBatch:

@@ -54,8 +54,8 @@ class StepRunner(Protocol):
         """"on" where decode steps run compiled (executor/compiled_decode.py), else "off: <why>"."""
 
     @property
-    def fused_decode_state(self) -> str:
-        """"on" where decode steps run as one C++ call over the layers (executor/fused_decode.py), else
+    def fused_layers_state(self) -> str:
+        """"on" where decode (and extend) steps run as one C++ call over the layers (executor/fused_layers.py), else
         "off: <why>"."""
 
     def forward(self, step: StepInput) -> torch.Tensor:

@@ -122,8 +122,8 @@ class LeaderRunner:
         return self.runner.torch_compile
 
     @property
-    def fused_decode_state(self) -> str:
-        return self.runner.fused_decode_state
+    def fused_layers_state(self) -> str:
+        return self.runner.fused_layers_state
 
     def _guarded(self, fn: Callable[[], _T]) -> _T:
         """Any failure here leaves the ranks out of step (a peer is gone, or waits in a collective this

@@ -465,7 +465,7 @@ class SchedulerServicer(pb_grpc.SglangSchedulerServicer):
             "tp_comm": self.runner.tp.comm_kind,
             "kernels": runner.kernels.describe(),
             "torch_compile": runner.torch_compile,
-            "fused_decode": runner.fused_decode_state,
+            "fused_layers": runner.fused_layers_state,
             "page_size": 1,
             "radix_cache": self.engine.scheduler.cache is not None,
             "radix_cache_tokens": self.loop.load().cached_tokens,  # as of the last step

@@ -1,5 +1,5 @@
 // SwiGLU's activation, silu(gate) * up, in one pass over a [rows, 2 d] (gate | up) tensor, for bf16 / fp16
-// activations on AVX2 CPUs, 16 lanes at a time where the CPU has AVX-512 (layers/mlp.py; decode_layers.cpp).
+// activations on AVX2 CPUs, 16 lanes at a time where the CPU has AVX-512 (layers/mlp.py; fused_layers.cpp).
 //
 //   silu_and_mul(gate_up [..., 2 d]) -> [..., d]
 //

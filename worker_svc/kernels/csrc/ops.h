@@ -1,5 +1,5 @@
 // The tensor-level entry points of this library's kernels, for C++ callers in the library itself
-// (decode_layers.cpp runs a step's layers without a Python or dispatcher hop per op). Each is
+// (fused_layers.cpp runs a step's layers without a Python or dispatcher hop per op). Each is
 // exactly the function its op registers, so a C++ caller rounds as the op does.
 #pragma once
 

@@ -1,17 +1,17 @@
-// A decode step's Llama layers in one call (executor/fused_decode.py), and an extend step's on bf16 models whose
+// A decode step's Llama layers in one call (executor/fused_layers.py), and an extend step's on bf16 models whose
 // extends run this library's extend attention (forward_extend).
 //
 // A one-token step of a small model is ~10 kernel calls per layer, and run from Python each pays a module
 // call, the op's argument parsing and the dispatcher (~5-8 us) on top of its own work: on SmolLM2-135M
-// (30 layers) that is about as much as the int4 linears themselves. DecodeLayers binds each layer's
+// (30 layers) that is about as much as the int4 linears themselves. FusedLayers binds each layer's
 // weights, norms and KV buffers once, at load, and runs the layers back to back here, calling the very
 // functions the ops register (ops.h) in the order the Python modules call them, so a step rounds exactly
-// as the modules' step does (tests/unit/test_fused_decode.py holds the logits equal bit for bit).
+// as the modules' step does (tests/unit/test_fused_layers.py holds the logits equal bit for bit).
 //
 // Per layer, as models/decoder.py + models/llama.py + attention/torch_native.py compose it:
 //   (add +) RMSNorm -> qkv -> rotate-half rope on q, k -> store k, v at the step's slots
 //   -> decode attention over each request's slots -> o_proj -> add + RMSNorm -> gate_up -> silu * up -> down
-// (bf16 / fp16 activations: executor/fused_decode.py builds this for no other dtype)
+// (bf16 / fp16 activations: executor/fused_layers.py builds this for no other dtype)
 // with the residual stream in float32. Linears: this library's packed bf16 (VDPBF16PS / AMX) and AVX-512
 // int4 / int8 weight-only kernels, without bias (other kernels keep the Python path).
 #include <ATen/ATen.h>
@@ -31,7 +31,7 @@
 
 namespace {
 
-// Matches executor/fused_decode.py's LinearKind.
+// Matches executor/fused_layers.py's LinearKind.
 enum class LinearKind : int64_t { bf16_packed = 0, int4_avx512 = 1, int8_avx512 = 2 };
 constexpr int64_t kLinearFields = 5;  // per linear in add_layer's `shapes`: n, k, group, scale dtype, amx_min_rows
 constexpr int64_t kLayerLinears = 4;  // qkv, o, gate_up, down
@@ -41,7 +41,7 @@ at::ScalarType scale_type(int64_t code) {
     case 0: return at::kFloat;
     case 1: return at::kBFloat16;
     case 2: return at::kHalf;
-    default: TORCH_CHECK(false, "DecodeLayers: scale dtype code ", code, " is not 0 (float32), 1 (bfloat16) or 2 (float16)");
+    default: TORCH_CHECK(false, "FusedLayers: scale dtype code ", code, " is not 0 (float32), 1 (bfloat16) or 2 (float16)");
   }
 }
 
@@ -63,7 +63,7 @@ struct Linear {
       case LinearKind::int8_avx512:
         return llmserve::ops::int8_weight_linear_avx512(x, packed, scale, n, std::nullopt, 0);
     }
-    TORCH_CHECK(false, "DecodeLayers: unknown linear kind");
+    TORCH_CHECK(false, "FusedLayers: unknown linear kind");
   }
 };
 
@@ -90,15 +90,15 @@ void store_rows(const at::Tensor& buf, const at::Tensor& slots, const at::Tensor
     std::memcpy(dst + slot[t] * row_elems * esize, src + t * rows.stride(0) * esize, row_elems * esize);
 }
 
-class DecodeLayers : public torch::CustomClassHolder {
+class FusedLayers : public torch::CustomClassHolder {
  public:
-  DecodeLayers(int64_t hidden, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t intermediate,
+  FusedLayers(int64_t hidden, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t intermediate,
                double eps, double scaling)
       : hidden_(hidden), num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim),
         intermediate_(intermediate), eps_(eps), scaling_(scaling) {
     TORCH_CHECK(hidden > 0 && num_heads > 0 && num_kv_heads > 0 && head_dim > 0 && intermediate > 0 &&
                     num_heads % num_kv_heads == 0,
-                "DecodeLayers: sizes must be positive and num_heads a multiple of num_kv_heads");
+                "FusedLayers: sizes must be positive and num_heads a multiple of num_kv_heads");
   }
 
   // kinds: 4 LinearKind values (qkv, o, gate_up, down); weights: their packed weights; scales: int8's scales,
@@ -108,28 +108,28 @@ class DecodeLayers : public torch::CustomClassHolder {
                  std::vector<int64_t> shapes) {
     TORCH_CHECK(kinds.size() == kLayerLinears && weights.size() == kLayerLinears && scales.size() == kLayerLinears &&
                     shapes.size() == kLayerLinears * kLinearFields,
-                "DecodeLayers.add_layer: four linears (qkv, o, gate_up, down), five shape fields each");
+                "FusedLayers.add_layer: four linears (qkv, o, gate_up, down), five shape fields each");
     const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
     const int64_t expected[kLayerLinears][2] = {
         {q_size + 2 * kv_size, hidden_}, {hidden_, q_size}, {2 * intermediate_, hidden_}, {hidden_, intermediate_}};
     Linear linears[kLayerLinears];
     for (int64_t i = 0; i < kLayerLinears; ++i) {
       const int64_t* f = shapes.data() + i * kLinearFields;
-      TORCH_CHECK(kinds[i] >= 0 && kinds[i] <= 2, "DecodeLayers.add_layer: linear kind ", kinds[i], " unknown");
-      TORCH_CHECK(f[0] == expected[i][0] && f[1] == expected[i][1], "DecodeLayers.add_layer: linear ", i, " is ",
+      TORCH_CHECK(kinds[i] >= 0 && kinds[i] <= 2, "FusedLayers.add_layer: linear kind ", kinds[i], " unknown");
+      TORCH_CHECK(f[0] == expected[i][0] && f[1] == expected[i][1], "FusedLayers.add_layer: linear ", i, " is ",
                   f[0], " x ", f[1], ", the model's shapes want ", expected[i][0], " x ", expected[i][1]);
-      TORCH_CHECK(weights[i].is_contiguous(), "DecodeLayers.add_layer: packed weights must be contiguous");
+      TORCH_CHECK(weights[i].is_contiguous(), "FusedLayers.add_layer: packed weights must be contiguous");
       const auto kind = static_cast<LinearKind>(kinds[i]);
-      TORCH_CHECK(kind != LinearKind::int8_avx512 || scales[i].numel() > 0, "DecodeLayers.add_layer: int8 needs scales");
+      TORCH_CHECK(kind != LinearKind::int8_avx512 || scales[i].numel() > 0, "FusedLayers.add_layer: int8 needs scales");
       const at::Tensor scale = kind == LinearKind::int8_avx512 ? scales[i] : at::Tensor();
       linears[i] = Linear{kind, weights[i], scale, /*n=*/f[0], /*k=*/f[1], /*group=*/f[2], /*amx_min_rows=*/f[4],
                           scale_type(f[3])};
     }
     TORCH_CHECK(input_norm.numel() == hidden_ && post_attention_norm.numel() == hidden_,
-                "DecodeLayers.add_layer: norm weights must have hidden_size elements");
+                "FusedLayers.add_layer: norm weights must have hidden_size elements");
     TORCH_CHECK(k_buf.dim() == 3 && v_buf.dim() == 3 && k_buf.size(1) == num_kv_heads_ && k_buf.size(2) == head_dim_ &&
                     v_buf.sizes() == k_buf.sizes() && k_buf.is_contiguous() && v_buf.is_contiguous(),
-                "DecodeLayers.add_layer: KV buffers must be contiguous [slots, ", num_kv_heads_, ", ", head_dim_, "]");
+                "FusedLayers.add_layer: KV buffers must be contiguous [slots, ", num_kv_heads_, ", ", head_dim_, "]");
     layers_.push_back(Layer{input_norm, post_attention_norm, linears[0], linears[1], linears[2], linears[3], k_buf,
                             v_buf});
   }
@@ -139,7 +139,7 @@ class DecodeLayers : public torch::CustomClassHolder {
   // benchmarks/linear_bandwidth.py: every layer's four linears back to back on `rows` rows of `like`'s dtype (zeros),
   // as a decode step calls them from here, `repeats` times; -> the fastest pass in seconds.
   double time_linears(int64_t rows, int64_t repeats, at::Tensor like) const {
-    TORCH_CHECK(rows > 0 && repeats > 0, "DecodeLayers.time_linears: rows and repeats must be positive");
+    TORCH_CHECK(rows > 0 && repeats > 0, "FusedLayers.time_linears: rows and repeats must be positive");
     const int64_t q_size = num_heads_ * head_dim_;
     const auto options = like.options();
     const at::Tensor x_hidden = at::zeros({rows, hidden_}, options), x_q = at::zeros({rows, q_size}, options);
@@ -163,7 +163,7 @@ class DecodeLayers : public torch::CustomClassHolder {
   // decode attention's metadata. -> (the last layer's MLP output [B, hidden], the residual stream in float32).
   std::tuple<at::Tensor, at::Tensor> forward(at::Tensor hidden, at::Tensor cos, at::Tensor sin, at::Tensor out_slots,
                                              at::Tensor slot_index, at::Tensor seq_lens) const {
-    TORCH_CHECK(seq_lens.numel() == hidden.size(0), "DecodeLayers.forward: one token and one length per request");
+    TORCH_CHECK(seq_lens.numel() == hidden.size(0), "FusedLayers.forward: one token and one length per request");
     return run(hidden, cos, sin, out_slots, "forward", [&](const Layer& layer, const at::Tensor& q, const at::Tensor&,
                                                            const at::Tensor&) {
       return llmserve::ops::decode_attention(q.contiguous(), layer.k_buf, layer.v_buf, slot_index, seq_lens, scaling_, 0);
@@ -181,7 +181,7 @@ class DecodeLayers : public torch::CustomClassHolder {
                                                     std::vector<int64_t> prefix_lens, int64_t impl,
                                                     at::Tensor one_tokens, at::Tensor one_slot_index,
                                                     at::Tensor one_seq_lens) const {
-    TORCH_CHECK(one_tokens.numel() == one_seq_lens.numel(), "DecodeLayers.forward_extend: one length per one-token row");
+    TORCH_CHECK(one_tokens.numel() == one_seq_lens.numel(), "FusedLayers.forward_extend: one length per one-token row");
     return run(hidden, cos, sin, out_slots, "forward_extend", [&](const Layer& layer, const at::Tensor& q,
                                                                   const at::Tensor& k, const at::Tensor& v) {
       at::Tensor out = at::empty(q.sizes(), q.options());
@@ -202,17 +202,17 @@ class DecodeLayers : public torch::CustomClassHolder {
   template <class Attend>
   std::tuple<at::Tensor, at::Tensor> run(at::Tensor hidden, const at::Tensor& cos, const at::Tensor& sin,
                                          const at::Tensor& out_slots, const char* fn, Attend&& attend) const {
-    TORCH_CHECK(!layers_.empty(), "DecodeLayers.", fn, ": no layers");
-    TORCH_CHECK(hidden.dim() == 2 && hidden.size(1) == hidden_, "DecodeLayers.", fn, ": hidden must be [tokens, ",
+    TORCH_CHECK(!layers_.empty(), "FusedLayers.", fn, ": no layers");
+    TORCH_CHECK(hidden.dim() == 2 && hidden.size(1) == hidden_, "FusedLayers.", fn, ": hidden must be [tokens, ",
                 hidden_, "]");
     const int64_t tokens = hidden.size(0);
-    TORCH_CHECK(out_slots.numel() == tokens, "DecodeLayers.", fn, ": one slot per token");
+    TORCH_CHECK(out_slots.numel() == tokens, "FusedLayers.", fn, ": one slot per token");
     const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
     const at::Tensor slots = out_slots.to(at::kLong).contiguous();
     const int64_t pool_slots = layers_.front().k_buf.size(0);
     const int64_t* slot = slots.data_ptr<int64_t>();
     for (int64_t t = 0; t < tokens; ++t)
-      TORCH_CHECK(slot[t] >= 0 && slot[t] < pool_slots, "DecodeLayers.", fn, ": slot ", slot[t], " out of the pool's [0, ",
+      TORCH_CHECK(slot[t] >= 0 && slot[t] < pool_slots, "FusedLayers.", fn, ": slot ", slot[t], " out of the pool's [0, ",
                   pool_slots, ")");
     at::Tensor residual, x;
     for (const Layer& layer : layers_) {
@@ -246,11 +246,11 @@ class DecodeLayers : public torch::CustomClassHolder {
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(llmserve_cpu, m) {
-  m.class_<DecodeLayers>("DecodeLayers")
+  m.class_<FusedLayers>("FusedLayers")
       .def(torch::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, double>())
-      .def("add_layer", &DecodeLayers::add_layer)
-      .def("num_layers", &DecodeLayers::num_layers)
-      .def("time_linears", &DecodeLayers::time_linears)
-      .def("forward", &DecodeLayers::forward)
-      .def("forward_extend", &DecodeLayers::forward_extend);
+      .def("add_layer", &FusedLayers::add_layer)
+      .def("num_layers", &FusedLayers::num_layers)
+      .def("time_linears", &FusedLayers::time_linears)
+      .def("forward", &FusedLayers::forward)
+      .def("forward_extend", &FusedLayers::forward_extend);
 }

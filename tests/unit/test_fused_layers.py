@@ -1,8 +1,8 @@
-"""Fused decode (worker_svc/executor/fused_decode.py, kernels/csrc/decode_layers.cpp): where it is on and why
+"""Fused layers (worker_svc/executor/fused_layers.py, kernels/csrc/fused_layers.cpp): where it is on and why
 not elsewhere; a fused runner gives the layer-by-layer runner's logits bit for bit over decode steps with
 requests joining and finishing (bf16, int4 and int8 weight-only) and over extend steps (prefills, extends over a
 cached prefix, mixed steps with riders), and leaves the same KV in the pool;
-DecodeLayers refuses a layer whose shapes disagree with the model; the flag reaches the EngineConfig."""
+FusedLayers refuses a layer whose shapes disagree with the model; the flag reaches the EngineConfig."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from tests.unit.lockstep import decode_script, run_lockstep
 from tests.unit.oracle import encode_prompts
 from tests.unit.test_cuda_graph_runner import Requests
 from worker_svc.config.engine_config import EngineConfig
-from worker_svc.executor.fused_decode import fused_decode_plan
+from worker_svc.executor.fused_layers import fused_layers_plan
 from worker_svc.executor.model_runner import ModelRunner
 from worker_svc.forward_batch import ForwardMode, StepInput
 from worker_svc.kernels import cpu_ext
@@ -27,7 +27,7 @@ from worker_svc.parallel.context import TPContext
 CPU_OPS = cpu_ext.load()
 CPU = torch.device("cpu")
 needs_kernels = pytest.mark.skipif(CPU_OPS is None, reason="this project's C++ kernels are unavailable (not x86-64 "
-                                   "with AVX2, or no compiler): fused decode runs them")
+                                   "with AVX2, or no compiler): the fused layers run them")
 
 
 def _engine_config(model_dir: Path, **overrides) -> EngineConfig:
@@ -36,47 +36,47 @@ def _engine_config(model_dir: Path, **overrides) -> EngineConfig:
 
 
 def _packed_kernels_here() -> str | None:
-    """Why this host's bf16 linears are not on a packed kernel fused decode runs (None: they are)."""
+    """Why this host's bf16 linears are not on a packed kernel the fused layers run (None: they are)."""
     if CPU_OPS is None:
         return "no C++ kernels"
     if not CPU_OPS.bf16_linear_available():
-        return "no AVX512-BF16: bf16 linears run FBGEMM or aten, which fused decode does not call"
+        return "no AVX512-BF16: bf16 linears run FBGEMM or aten, which the fused layers do not call"
     return None
 
 
 @needs_kernels
-def test_fused_decode_plan(model_factory) -> None:
+def test_fused_layers_plan(model_factory) -> None:
     off_here = _packed_kernels_here()
     llama = ModelRunner(_engine_config(model_factory("tiny")))
     if off_here is None:
-        assert llama.fused_decode is not None and llama.fused_decode_state == "on"
+        assert llama.fused_layers is not None and llama.fused_layers_state == "on"
     else:
-        assert llama.fused_decode is None and "packed kernels" in llama.fused_decode_state
+        assert llama.fused_layers is None and "packed kernels" in llama.fused_layers_state
     config, model, plan = llama.engine_config, llama.model, llama.kernels
 
     def reason(**changes) -> str:
         kwargs = {"engine_config": config, "device": CPU, "tp": TPContext(), "model": model, "kernels": plan,
                   "dtype": torch.bfloat16, **changes}
-        result = fused_decode_plan(**kwargs)
+        result = fused_layers_plan(**kwargs)
         assert not result.enabled
         return result.reason
 
-    assert reason(engine_config=dataclasses.replace(config, disable_fused_decode=True)) == "--disable-fused-decode"
+    assert reason(engine_config=dataclasses.replace(config, disable_fused_layers=True)) == "--disable-fused-layers"
     assert "for the CPU" in reason(device=torch.device("cuda"))
     (store, group), _ = gloo_groups(2, "fused-plan")
     assert "all-reduce" in reason(tp=TPContext(rank=0, size=2, group=group, store=store))
     assert "C++ kernels" in reason(kernels=dataclasses.replace(plan, cpu_ops=None))
     assert "bf16 / fp16" in reason(dtype=torch.float32)
     aten = ModelRunner(_engine_config(model_factory("tiny"), cpu_bf16_linear="aten"))
-    assert aten.fused_decode is None and "not one of this project's packed kernels" in aten.fused_decode_state
+    assert aten.fused_layers is None and "not one of this project's packed kernels" in aten.fused_layers_state
     deepseek = ModelRunner(_engine_config(model_factory("tiny", arch="deepseek_v2")))
-    assert deepseek.fused_decode is None
-    assert "Llama-family" in deepseek.fused_decode_state or "decode attention" in deepseek.fused_decode_state
+    assert deepseek.fused_layers is None
+    assert "Llama-family" in deepseek.fused_layers_state or "decode attention" in deepseek.fused_layers_state
 
 
 @needs_kernels
 @pytest.mark.parametrize("torchao_config", [None, "int4wo-32", "int8wo"])
-def test_fused_decode_gives_the_layer_by_layer_logits(model_factory, torchao_config) -> None:
+def test_fused_layers_gives_the_layer_by_layer_logits(model_factory, torchao_config) -> None:
     """Same kernels in the same order: every decode step's logits equal the modules' bit for bit, and the KV
     the fused layers stored equals what the modules stored."""
     if (why := _packed_kernels_here()) is not None:
@@ -84,8 +84,8 @@ def test_fused_decode_gives_the_layer_by_layer_logits(model_factory, torchao_con
     model_dir = model_factory("tiny")
     config = _engine_config(model_dir, torchao_config=torchao_config)
     fused_runner = ModelRunner(config)
-    assert fused_runner.fused_decode is not None, fused_runner.fused_decode_state
-    modules_runner = ModelRunner(dataclasses.replace(config, disable_fused_decode=True))
+    assert fused_runner.fused_layers is not None, fused_runner.fused_layers_state
+    modules_runner = ModelRunner(dataclasses.replace(config, disable_fused_layers=True))
     batch_sizes = run_lockstep(decode_script(encode_prompts(model_dir)), Requests(modules_runner),
                                Requests(fused_runner))
     assert batch_sizes == [1] * 3 + [3] * 3 + [2] * 2 + [5] * 2 + [3] * 3 + [1] * 2
@@ -122,7 +122,7 @@ def _extend(requests: Requests, new_tokens: dict[str, list[int]]) -> torch.Tenso
 
 @needs_kernels
 def test_fused_extend_steps_give_the_layer_by_layer_logits(model_factory) -> None:
-    """Extend steps through DecodeLayers.forward_extend: a prefill, an extend over a cached prefix beside a fresh
+    """Extend steps through FusedLayers.forward_extend: a prefill, an extend over a cached prefix beside a fresh
     prompt, and mixed steps whose riders (one token after their prefix) attend as one decode; each step's
     logits equal the modules' bit for bit, and so does the KV left in the pool."""
     if (why := _packed_kernels_here()) is not None:
@@ -132,8 +132,8 @@ def test_fused_extend_steps_give_the_layer_by_layer_logits(model_factory) -> Non
     model_dir = model_factory("tiny", config_override={"hidden_size": 128})  # heads of 32: the kernel takes them
     config = _engine_config(model_dir)
     fused_runner = ModelRunner(config)
-    assert fused_runner.fused_decode is not None and fused_runner.fused_decode.extend_impl is not None
-    modules_runner = ModelRunner(dataclasses.replace(config, disable_fused_decode=True))
+    assert fused_runner.fused_layers is not None and fused_runner.fused_layers.extend_impl is not None
+    modules_runner = ModelRunner(dataclasses.replace(config, disable_fused_layers=True))
     prompts = encode_prompts(model_dir)
     runners = (Requests(modules_runner), Requests(fused_runner))
     steps = [
@@ -153,8 +153,8 @@ def test_fused_extend_steps_give_the_layer_by_layer_logits(model_factory) -> Non
 
 
 @needs_kernels
-def test_decode_layers_refuses_shapes_the_model_does_not_have() -> None:
-    layers = torch.classes.llmserve_cpu.DecodeLayers(64, 4, 2, 16, 128, 1e-5, 0.25)
+def test_fused_layers_refuse_shapes_the_model_does_not_have() -> None:
+    layers = torch.classes.llmserve_cpu.FusedLayers(64, 4, 2, 16, 128, 1e-5, 0.25)
     norm = torch.ones(64, dtype=torch.bfloat16)
     kv = torch.zeros(8, 2, 16, dtype=torch.bfloat16)
     weights = [torch.zeros(1, dtype=torch.uint8)] * 4
@@ -187,7 +187,9 @@ def test_flag_reaches_the_engine_config() -> None:
 
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
-    assert not engine_config_from_args(parser.parse_args(["--model", "m"])).disable_fused_decode
-    args = parser.parse_args(["--model", "m", "--disable-fused-decode"])
-    assert engine_config_from_args(args).disable_fused_decode
-    assert "--disable-fused-decode" in engine_argv(args)  # what a worker under `serve` is started with
+    assert not engine_config_from_args(parser.parse_args(["--model", "m"])).disable_fused_layers
+    args = parser.parse_args(["--model", "m", "--disable-fused-layers"])
+    assert engine_config_from_args(args).disable_fused_layers
+    assert "--disable-fused-layers" in engine_argv(args)  # what a worker under `serve` is started with
+    # The flag's former name (before it covered extend steps too) still works.
+    assert engine_config_from_args(parser.parse_args(["--model", "m", "--disable-fused-decode"])).disable_fused_layers

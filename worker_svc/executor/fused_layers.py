@@ -1,18 +1,19 @@
-"""Fused decode on the CPU: a Llama decode step's layers in one C++ call (kernels/csrc/decode_layers.cpp).
+"""Fused layers on the CPU: a Llama step's layers in one C++ call (kernels/csrc/fused_layers.cpp); decode
+steps, and extend steps on bf16 (below).
 
 Why: a one-token step of a small model is ~10 kernel calls per layer, and from Python each costs a module
 call, the op's argument parsing and the dispatcher (5-8 us) on top of its own work; on SmolLM2-135M's 30
-layers that overhead is of the order of the int4 linears themselves (docs/engine.md, "Fused decode").
-``DecodeLayers`` binds every layer's packed weights, norm weights and KV buffers once, here, and runs the
+layers that overhead is of the order of the int4 linears themselves (docs/engine.md, "Fused layers").
+``FusedLayers`` binds every layer's packed weights, norm weights and KV buffers once, here, and runs the
 layers back to back in C++ through the same functions the ops register, in the modules' order: the logits
-are those of the layer-by-layer path, bit for bit (tests/unit/test_fused_decode.py). The embedding, the
+are those of the layer-by-layer path, bit for bit (tests/unit/test_fused_layers.py). The embedding, the
 rope table lookup, the final norm and the LM head stay in Python (one call each per step).
 
-On (``fused_decode_plan``) where: the CPU, one rank (each layer's all-reduce is host code between the layers
+On (``fused_layers_plan``) where: the CPU, one rank (each layer's all-reduce is host code between the layers
 under TP), a Llama-family decoder (rotate-half rope, fused q/k/v and gate/up, SwiGLU), bf16 or fp16
 activations, this project's C++ norm / rotary / decode-attention kernels, and every layer linear on one of
 this project's packed kernels (bf16 VDPBF16PS/AMX, AVX-512 int4 or int8 weight-only) without bias. Otherwise
-off with the reason logged; ``--disable-fused-decode`` turns it off for A/B runs.
+off with the reason logged; ``--disable-fused-layers`` turns it off for A/B runs.
 
 Extend steps (prefills, chunks, cached-prefix extends, mixed steps with their one-token riders) take the same
 call's ``forward_extend`` where their attention is this project's batched extend kernel (bf16, the plan's
@@ -47,7 +48,7 @@ log = structlog.get_logger(__name__)
 
 
 class LinearKind(IntEnum):
-    """decode_layers.cpp's LinearKind."""
+    """fused_layers.cpp's LinearKind."""
 
     BF16_PACKED = 0
     INT4_AVX512 = 1
@@ -59,7 +60,7 @@ _SCALE_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 @dataclass(frozen=True)
 class LinearSpec:
-    """What DecodeLayers.add_layer needs of one linear."""
+    """What FusedLayers.add_layer needs of one linear."""
 
     kind: LinearKind
     packed: torch.Tensor
@@ -68,7 +69,7 @@ class LinearSpec:
 
 
 def linear_spec(module: KernelLinear) -> LinearSpec | str:
-    """The linear as DecodeLayers runs it, or why it cannot."""
+    """The linear as FusedLayers runs it, or why it cannot."""
     if module.bias is not None:
         return "a linear has a bias"
     kernel = module.kernel
@@ -93,7 +94,7 @@ def _llama_parts(layer: DecoderLayer) -> tuple[LlamaAttention, GatedMLP] | None:
 
 
 def layer_specs(layer: DecoderLayer) -> list[LinearSpec] | str:
-    """The layer's qkv, o, gate_up and down as DecodeLayers runs them, or why it cannot."""
+    """The layer's qkv, o, gate_up and down as FusedLayers runs them, or why it cannot."""
     parts = _llama_parts(layer)
     if parts is None:
         return "not a Llama-family decoder (rotate-half rope, fused q/k/v, SwiGLU MLP)"
@@ -108,21 +109,21 @@ def layer_specs(layer: DecoderLayer) -> list[LinearSpec] | str:
 
 
 @dataclass(frozen=True)
-class FusedDecodePlan:
+class FusedLayersPlan:
     enabled: bool
     reason: str  # why not, when disabled
     extend_impl: int | None = None  # the extend kernel's impl for extend steps; None: they run the modules
 
 
-def fused_decode_plan(engine_config: EngineConfig, device: torch.device, tp: TPContext, model: torch.nn.Module,
-                      kernels: KernelPlan, dtype: torch.dtype) -> FusedDecodePlan:
-    def off(reason: str) -> FusedDecodePlan:
-        return FusedDecodePlan(enabled=False, reason=reason)
+def fused_layers_plan(engine_config: EngineConfig, device: torch.device, tp: TPContext, model: torch.nn.Module,
+                      kernels: KernelPlan, dtype: torch.dtype) -> FusedLayersPlan:
+    def off(reason: str) -> FusedLayersPlan:
+        return FusedLayersPlan(enabled=False, reason=reason)
 
-    if engine_config.disable_fused_decode:
-        return off("--disable-fused-decode")
+    if engine_config.disable_fused_layers:
+        return off("--disable-fused-layers")
     if device.type != "cpu":
-        return off(f"device {device.type}: fused decode is for the CPU")
+        return off(f"device {device.type}: fused layers are for the CPU")
     if tp.size > 1:
         return off("tensor parallelism: each layer's all-reduce is host code between the layers")
     if kernels.cpu_ops is None:
@@ -138,13 +139,13 @@ def fused_decode_plan(engine_config: EngineConfig, device: torch.device, tp: TPC
         if isinstance(specs, str):
             return off(specs)
     extends = dtype == torch.bfloat16 and not kernels.deterministic
-    return FusedDecodePlan(enabled=True, reason="",
+    return FusedLayersPlan(enabled=True, reason="",
                            extend_impl=EXTEND_KERNEL_IMPL.get(kernels.attention_extend) if extends else None)
 
 
-class FusedDecode:
-    """Decode steps (and, with ``extend_impl``, extend steps) through DecodeLayers. Built once the KV pool exists
-    (its buffers are bound)."""
+class FusedForward:
+    """Decode steps (and, with ``extend_impl``, extend steps) through the C++ ``FusedLayers``, the embedding and
+    the LM head around it. Built once the KV pool exists (its buffers are bound)."""
 
     def __init__(self, model: CausalLM, pool: MHAKVPool, extend_impl: int | None = None) -> None:
         self.model = model
@@ -152,14 +153,14 @@ class FusedDecode:
         config = model.config
         layers = model.model.decoder_layers()
         parts = _llama_parts(layers[0])
-        assert parts is not None, "fused_decode_plan checks every layer"
+        assert parts is not None, "fused_layers_plan checks every layer"
         attn, mlp = parts
-        self.layers = torch.classes.llmserve_cpu.DecodeLayers(
+        self.layers = torch.classes.llmserve_cpu.FusedLayers(
             config.hidden_size, attn.attn.num_heads, attn.attn.num_kv_heads, attn.head_dim,
             mlp.gate_up_proj.out_features // 2, layers[0].input_layernorm.eps, attn.attn.scaling)
         for layer in layers:
             specs, parts = layer_specs(layer), _llama_parts(layer)
-            assert not isinstance(specs, str) and parts is not None, "fused_decode_plan checks every layer"
+            assert not isinstance(specs, str) and parts is not None, "fused_layers_plan checks every layer"
             k_buf, v_buf = pool.buffers(parts[0].attn.layer_id)
             self.layers.add_layer(
                 layer.input_layernorm.weight, layer.post_attention_layernorm.weight, k_buf, v_buf,
@@ -189,15 +190,17 @@ class FusedDecode:
         return self.model.logits(decoder.finish(hidden, residual), batch)
 
 
-def build_fused_decode(engine_config: EngineConfig, model: torch.nn.Module, tp: TPContext, kv: KVCache,
-                       kernels: KernelPlan, device: torch.device, dtype: torch.dtype) -> tuple[FusedDecode | None, str]:
-    """(the fused decode, "") or (None, why it is off); logged either way."""
-    plan = fused_decode_plan(engine_config, device, tp, model, kernels, dtype)
+def build_fused_layers(
+    engine_config: EngineConfig, model: torch.nn.Module, tp: TPContext, kv: KVCache, kernels: KernelPlan,
+    device: torch.device, dtype: torch.dtype,
+) -> tuple[FusedForward | None, str]:
+    """(the fused layers, "") or (None, why it is off); logged either way."""
+    plan = fused_layers_plan(engine_config, device, tp, model, kernels, dtype)
     if not plan.enabled:
-        log.info("fused decode off", reason=plan.reason)
+        log.info("fused layers off", reason=plan.reason)
         return None, plan.reason
     # The plan's attention_decode "avx2" is what makes the runner's backend the MHA pool's C++ decode kernel.
     assert isinstance(model, CausalLM) and isinstance(kv.pool, MHAKVPool)
-    fused = FusedDecode(model, kv.pool, plan.extend_impl)
-    log.info("fused decode on", layers=fused.layers.num_layers(), extend_steps=plan.extend_impl is not None)
+    fused = FusedForward(model, kv.pool, plan.extend_impl)
+    log.info("fused layers on", layers=fused.layers.num_layers(), extend_steps=plan.extend_impl is not None)
     return fused, ""
