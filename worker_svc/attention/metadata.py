@@ -139,8 +139,7 @@ def prepare_extend(batch: ForwardBatch, group_one_token: bool = False) -> Extend
     return ExtendMetadata(
         token_offsets=offsets, extends=extends,
         one_token=_one_token_rows(batch, one_token, offsets) if one_token else None,
-        req_to_token=batch.req_to_token, rows=rows, prefix_lens=list(batch.prefix_lens),
-        seq_lens=list(batch.seq_lens),
+        req_to_token=batch.req_to_token, rows=rows, prefix_lens=batch.prefix_lens, seq_lens=batch.seq_lens,
     )
 
 

@@ -309,9 +309,9 @@ class Scheduler:
         return batch
 
     def _computed_alongside(self, req: Request, cached: int, batch: list[tuple[Request, int]]) -> bool:
-        """Whether a request in this step's batch (or the one part-way through chunked prefill) shares the
-        first IN_STEP_SHARED_TOKENS tokens ``req`` would compute: those are not cached yet because that
-        request computes them, so ``req`` waits and finds them in the cache instead of computing them a
+        """Whether a request in this step's batch (the chunked one continuing, if any, is its first entry)
+        shares the first IN_STEP_SHARED_TOKENS tokens ``req`` would compute: those are not cached yet because
+        that request computes them, so ``req`` waits and finds them in the cache instead of computing them a
         second time (sglang's in-batch prefix caching; e.g. a burst of requests on a new system prompt, or
         the n samples of a long prompt). Only with the prefix cache, and only for that many tokens or more."""
         if self.cache is None:
@@ -319,16 +319,13 @@ class Scheduler:
         end = cached + IN_STEP_SHARED_TOKENS
         if end >= req.seq_len:  # the last token is computed anyway; a short rest is not worth a step
             return False
-        others = [other for other, _ in batch]
-        if self.chunked is not None:
-            others.append(self.chunked)
         uncached = req.tokens(cached, end)
         # The uncached tokens first (IN_STEP_SHARED_TOKENS of them), the cached prefix only where those match.
-        return any(
-            other.seq_len >= end and other.tokens(cached, end) == uncached
-            and other.tokens(0, cached) == req.tokens(0, cached)
-            for other in others
-        )
+        sharing = [other for other, _ in batch if other.seq_len >= end and other.tokens(cached, end) == uncached]
+        if not sharing:
+            return False
+        prefix = req.tokens(0, cached)
+        return any(other.tokens(0, cached) == prefix for other in sharing)
 
     # ---- the radix prefix cache ------------------------------------------------------------------
 
