@@ -467,8 +467,10 @@ LLMSERVE_AMX void run_task_amx(const Problem& pb, int64_t hq, int64_t t0, int64_
 // the rounding of P is relative, so the accuracy is the same). When the max moves, the tiles are flushed into
 // the fp32 output and rescaled there; with typical scores that happens in the first blocks only.
 // Tiles: 0-3 the output (16 rows x 16 dims each), 4-5 the scores of 32 keys (half a packed block: the other
-// two tiles hold the output), then 4 holds P (A of the value product); 6 the query rows (A of the scores) or B,
-// 7 B.
+// two tiles hold the output), then 4 holds P (A of the value product) and 5-7 its B tiles; 6 the query rows (A
+// of the scores), 7 their B.
+// The halves are pipelined: the next half's score products are issued (and stored) before this half's softmax,
+// so the tile unit multiplies while the vector units take the exponentials; in order, each waited for the other.
 constexpr float kLazyMaxSlack = 8.f;
 constexpr int64_t kHalfBlock = kKeyBlock / 2;
 
@@ -477,7 +479,7 @@ struct AmxResidentState {
   alignas(64) float o[kAmxRows][4 * kAmxDimGroup];  // fp32 output flushed from tiles 0-3, at the max `used`
   alignas(64) float used[kAmxRows];                // per row: the max the probabilities are taken against
   alignas(64) float sum[kAmxRows];                 // and the sum of those probabilities
-  alignas(64) float scores[kAmxRows][kHalfBlock];  // tiles 4-5
+  alignas(64) float scores[2][kAmxRows][kHalfBlock];  // tiles 4-5: this half's scores, the next half's
   alignas(64) uint16_t probs[kAmxRows][kHalfBlock];  // P of the half block in bf16: A of the value product
   alignas(64) float pv[kAmxRows][4 * kAmxDimGroup];  // tiles 0-3 stored
 };
@@ -494,12 +496,43 @@ LLMSERVE_AMX void flush_output_tiles(AmxResidentState& st, int groups, const flo
   }
 }
 
+// tmm4 holds A; C tile g += A . B_g for g < n, B_g at b + g * b_step words (16 rows, b_stride bytes apart), in
+// tiles 5, 6, 7, 5: the first three loads need not wait for a product to have read the tile before.
+LLMSERVE_AMX inline void multiply_tiles_from_5(int n, const uint32_t* b, int64_t b_step, int64_t b_stride) {
+  _tile_loadd(5, b, b_stride);
+  if (n > 1) _tile_loadd(6, b + b_step, b_stride);
+  if (n > 2) _tile_loadd(7, b + 2 * b_step, b_stride);
+  _tile_dpbf16ps(0, 4, 5);
+  if (n > 1) _tile_dpbf16ps(1, 4, 6);
+  if (n > 2) _tile_dpbf16ps(2, 4, 7);
+  if (n > 3) {
+    _tile_loadd(5, b + 3 * b_step, b_stride);
+    _tile_dpbf16ps(3, 4, 5);
+  }
+}
+
+// Scores of half block hb (16 query rows x 32 keys, raw q . k) through tiles 4-5 to `out`: Dk / 32 steps, the
+// query rows in tile 6 (A), 16 dim pairs x 16 keys of B in tile 7 (256 bytes a row).
+LLMSERVE_AMX inline void score_half(const AmxResidentState& st, const uint32_t* keys, int64_t Dk, int64_t hb,
+                                    float (&out)[kAmxRows][kHalfBlock]) {
+  const uint32_t* kb = keys + (hb / 2) * (Dk / 2) * kKeyBlock + (hb % 2) * kHalfBlock;
+  _tile_zero(4);
+  _tile_zero(5);
+  for (int64_t kc = 0; kc < Dk; kc += llmserve::kAmxTileK) {
+    _tile_loadd(6, st.q.data() + kc, Dk * sizeof(uint16_t));
+    _tile_loadd(7, kb + (kc / 2) * kKeyBlock, kKeyBlock * sizeof(uint32_t));
+    _tile_dpbf16ps(4, 6, 7);
+    _tile_loadd(7, kb + (kc / 2) * kKeyBlock + kAmxDimGroup, kKeyBlock * sizeof(uint32_t));
+    _tile_dpbf16ps(5, 6, 7);
+  }
+  _tile_stored(4, &out[0][0], kHalfBlock * sizeof(float));
+  _tile_stored(5, &out[0][0] + kAmxDimGroup, kHalfBlock * sizeof(float));
+}
+
 // Query head hq, rows [t0, t0 + rows) (rows <= 16), value heads of Dv <= 64: run_task_amx's result, the output
 // accumulated in tiles.
 LLMSERVE_AMX void run_task_amx_resident(const Problem& pb, int64_t hq, int64_t t0, int64_t rows,
                                         AmxResidentState& st) {
-  const int64_t pairs = pb.Dk / 2;
-  const uint32_t* keys = pb.keys;
   const uint32_t* values = pb.values;
   const int groups = static_cast<int>(pb.Dv / kAmxDimGroup);  // 1..4 output tiles
   std::fill(st.q.begin(), st.q.end(), uint16_t{0});
@@ -514,26 +547,15 @@ LLMSERVE_AMX void run_task_amx_resident(const Problem& pb, int64_t hq, int64_t t
   const __m512 slack = _mm512_set1_ps(kLazyMaxSlack);
   // The last live row sees keys [0, prefix + t0 + rows): whole halves up to that.
   const int64_t halves = (pb.prefix + t0 + rows + kHalfBlock - 1) / kHalfBlock;
+  score_half(st, pb.keys, pb.Dk, 0, st.scores[0]);
   for (int64_t hb = 0; hb < halves; ++hb) {
-    const int64_t b = hb / 2, half = hb % 2;
-    // Scores: 16 rows x 32 keys in tiles 4-5, Dk / 32 steps (B: 16 dim pairs x 16 keys, 256 bytes a row).
-    const uint32_t* kb = keys + b * pairs * kKeyBlock + half * kHalfBlock;
-    _tile_zero(4);
-    _tile_zero(5);
-    for (int64_t kc = 0; kc < pb.Dk; kc += llmserve::kAmxTileK) {
-      _tile_loadd(6, st.q.data() + kc, pb.Dk * sizeof(uint16_t));
-      _tile_loadd(7, kb + (kc / 2) * kKeyBlock, kKeyBlock * sizeof(uint32_t));
-      _tile_dpbf16ps(4, 6, 7);
-      _tile_loadd(7, kb + (kc / 2) * kKeyBlock + kAmxDimGroup, kKeyBlock * sizeof(uint32_t));
-      _tile_dpbf16ps(5, 6, 7);
-    }
-    _tile_stored(4, &st.scores[0][0], kHalfBlock * sizeof(float));
-    _tile_stored(5, &st.scores[0][0] + kAmxDimGroup, kHalfBlock * sizeof(float));
+    float(&scores)[kAmxRows][kHalfBlock] = st.scores[hb % 2];
+    if (hb + 1 < halves) score_half(st, pb.keys, pb.Dk, hb + 1, st.scores[(hb + 1) % 2]);
     const int64_t first_row_sees = pb.prefix + t0 + 1 - hb * kHalfBlock;
-    if (first_row_sees < kHalfBlock) mask_hidden_keys(st.scores, first_row_sees, rows);
+    if (first_row_sees < kHalfBlock) mask_hidden_keys(scores, first_row_sees, rows);
     __m512 row_peaks[kAmxRows];
     for (int64_t m = 0; m < kAmxRows; ++m)
-      row_peaks[m] = _mm512_max_ps(_mm512_load_ps(st.scores[m]), _mm512_load_ps(st.scores[m] + kLanes));
+      row_peaks[m] = _mm512_max_ps(_mm512_load_ps(scores[m]), _mm512_load_ps(scores[m] + kLanes));
     // The half's max per row in log2 units (-inf for a row that sees none of it; every row sees key 0, so the
     // first half sets a finite max for all).
     const __m512 peak = _mm512_mul_ps(reduce_rows<Max>(row_peaks), scale2);
@@ -555,17 +577,17 @@ LLMSERVE_AMX void run_task_amx_resident(const Problem& pb, int64_t hq, int64_t t
     __m512 row_sums[kAmxRows];
     for (int64_t m = 0; m < kAmxRows; ++m) {
       const __m512 by = _mm512_set1_ps(shift[m]);
-      const __m512 e0 = exp2_below128(_mm512_fmsub_ps(_mm512_load_ps(st.scores[m]), scale2, by));
-      const __m512 e1 = exp2_below128(_mm512_fmsub_ps(_mm512_load_ps(st.scores[m] + kLanes), scale2, by));
+      const __m512 e0 = exp2_below128(_mm512_fmsub_ps(_mm512_load_ps(scores[m]), scale2, by));
+      const __m512 e1 = exp2_below128(_mm512_fmsub_ps(_mm512_load_ps(scores[m] + kLanes), scale2, by));
       row_sums[m] = _mm512_add_ps(e0, e1);
       const __m512bh pair = _mm512_cvtne2ps_pbh(e1, e0);  // the half's 32 keys in order
       _mm512_store_si512(st.probs[m], reinterpret_cast<const __m512i&>(pair));
     }
     _mm512_store_ps(st.sum, _mm512_add_ps(_mm512_load_ps(st.sum), reduce_rows<Sum>(row_sums)));
     // P . V into the output tiles: A = P (16 rows x 32 keys), B_g = 16 key pairs x dims 16 g .. 16 g + 15.
-    const uint32_t* vb = values + b * (kKeyBlock / 2) * pb.Dv + half * (kHalfBlock / 2) * pb.Dv;
-    _tile_loadd(4, &st.probs[0][0], kHalfBlock * sizeof(uint16_t));  // the scores are stored: tile 4 is free
-    multiply_tiles(groups, vb, kAmxDimGroup, pb.Dv * sizeof(uint32_t));
+    const uint32_t* vb = values + (hb / 2) * (kKeyBlock / 2) * pb.Dv + (hb % 2) * (kHalfBlock / 2) * pb.Dv;
+    _tile_loadd(4, &st.probs[0][0], kHalfBlock * sizeof(uint16_t));  // the next scores are stored: 4 is free
+    multiply_tiles_from_5(groups, vb, kAmxDimGroup, pb.Dv * sizeof(uint32_t));
     tiles_hold_output = true;
   }
   alignas(64) float one[kAmxRows];
