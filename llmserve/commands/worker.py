@@ -75,6 +75,7 @@ async def _serve(args: argparse.Namespace, security: ServerSecurity) -> int:
     from llmserve.metrics import FollowerMetrics, MetricsConfig, WorkerMetrics
     from worker_svc.engine.engine import Engine
     from worker_svc.engine.engine_loop import EngineLoop
+    from worker_svc.engine.step_trace import StepTraceFile
     from worker_svc.server.app import WorkerServer
     from worker_svc.server.loader_thread import run_in_own_thread
 
@@ -98,6 +99,7 @@ async def _serve(args: argparse.Namespace, security: ServerSecurity) -> int:
         )
 
     metrics = WorkerMetrics.create(metrics_config) if args.metrics_port else None
+    step_trace = StepTraceFile(args.trace_steps) if args.trace_steps else None
     leader = None
     before_step = _step_delay(args.debug_step_delay) if args.debug_step_delay else None
     if size > 1:
@@ -132,10 +134,10 @@ async def _serve(args: argparse.Namespace, security: ServerSecurity) -> int:
                 child.wait()
             raise
         engine = leader.engine
-        engine_loop = leader.engine_loop(before_step=before_step, metrics=metrics)
+        engine_loop = leader.engine_loop(before_step=before_step, metrics=metrics, step_trace=step_trace)
     else:
         engine = await run_in_own_thread(Engine, config)
-        engine_loop = EngineLoop(engine, before_step=before_step, metrics=metrics)
+        engine_loop = EngineLoop(engine, before_step=before_step, metrics=metrics, step_trace=step_trace)
     options = worker_options(args)
     server = WorkerServer(engine, host=args.host, port=args.port, options=options, engine_loop=engine_loop,
                           security=security, metrics=metrics)
@@ -153,8 +155,12 @@ async def _serve(args: argparse.Namespace, security: ServerSecurity) -> int:
     log.info("shutting down", tp_group_failed=leader is not None and leader.failed)
     await server.stop(args.shutdown_grace)
     if leader is not None:
-        return await asyncio.to_thread(leader.shutdown)
-    return 0
+        code = await asyncio.to_thread(leader.shutdown)
+    else:
+        code = 0
+    if step_trace is not None:
+        step_trace.close()
+    return code
 
 
 async def _stop_when_group_breaks(leader, delay_s: float, stop: asyncio.Event) -> None:
@@ -320,6 +326,14 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         action="store_true",
         help="do not serve llmserve.v1.WorkerStream, on which the router carries all its requests to this worker "
         "in one call (a step's tokens in one message); the router then makes one Generate call per request",
+    )
+    g.add_argument(
+        "--trace-steps",
+        default=None,
+        metavar="FILE",
+        help="write one JSON line per scheduler step to FILE (truncated at start): its time, the requests it "
+        "extended (prompt and cached tokens) and decoded, first tokens, the queues after it "
+        "(worker_svc/engine/step_trace.py). Rank 0 only. Default: no trace",
     )
     g.add_argument("--debug-step-delay", type=float, default=0.0, metavar="S", help=argparse.SUPPRESS)
     g.add_argument("--log-json", action="store_true", help="JSON log lines")

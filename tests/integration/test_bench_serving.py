@@ -34,7 +34,8 @@ CONFIG_FIELDS = {"date", "backend", "address", "model", "dataset", "prompt_forma
 
 @pytest.fixture(scope="module")
 def worker(model_factory, tmp_path_factory) -> Iterator[WorkerProcess]:
-    w = launch_worker(model_factory("tiny"), tmp_path_factory.mktemp("bench-worker"), **ENGINE)
+    workdir = tmp_path_factory.mktemp("bench-worker")
+    w = launch_worker(model_factory("tiny"), workdir, "--trace-steps", str(workdir / "steps.jsonl"), **ENGINE)
     yield w
     w.terminate()
 
@@ -90,6 +91,17 @@ def test_worker_random_and_shared_prefix(worker: WorkerProcess, tmp_path: Path, 
     assert line["total_input_tokens"] == 12 * 72
     hits = [r["cached_tokens"] for r in line["requests"]]
     assert line["total_cached_tokens"] == sum(hits) > 0 and max(hits) >= 64 and line["cache_hit_rate"] > 0.5
+
+    # The worker's --trace-steps file: a line per step, the 28 requests' first tokens among them (and any idle
+    # health probe's), the shared-prefix run's cached tokens as prefix tokens.
+    def traced() -> list[dict]:
+        text = (worker.log_path.parent / "steps.jsonl").read_text()
+        return [json.loads(t) for t in text[: text.rfind("\n") + 1].splitlines()]  # whole lines only
+
+    wait_for(lambda: sum(step["first_tokens"] for step in traced()) >= 16 + 12, timeout=10)
+    steps = traced()
+    assert {step["mode"] for step in steps} == {"extend", "decode"}
+    assert sum(step["prefix_tokens"] for step in steps) >= line["total_cached_tokens"]
 
 
 MULTI_TURN = ["--dataset", "multi-turn", "--num-conversations", "3", "--turns", "3", "--turn-len", "16",

@@ -23,6 +23,9 @@ tokens per step, prompt tokens when a prompt is computed, and the latency histog
 finishes, from its own timestamps. Requests submitted with ``observe=False`` (the idle health probe)
 are left out.
 
+``step_trace`` (engine/step_trace.py, the worker's ``--trace-steps``) gets one record per step that ran a
+forward: its shape from the scheduler, its time, and the queues it left.
+
 ``call_on_engine(fn)`` runs ``fn`` on the engine thread between steps (waking it if idle) and gives its
 result in a future; ``add_step_listener(fn)`` runs ``fn`` there after every step and every such call
 (the KV event publisher takes the step's cache events so).
@@ -44,6 +47,7 @@ import structlog
 
 from worker_svc.engine.engine import Engine
 from worker_svc.engine.request import Request, StepOutput
+from worker_svc.engine.step_trace import StepRecord, StepTrace
 from worker_svc.executor.compute_priority import lower_compute_priority
 from worker_svc.sampling import SamplingParams
 
@@ -105,8 +109,10 @@ class EngineLoop:
         before_step: Callable[[], None] | None = None,
         metrics: WorkerMetrics | None = None,
         collectives: StepCollectives | None = None,
+        step_trace: StepTrace | None = None,
     ) -> None:
         self.engine = engine
+        self._step_trace = step_trace
         self._metrics = metrics
         self._collectives = collectives if metrics is not None else None
         self._observed: dict[str, Request] = {}  # requests in flight that the metrics follow
@@ -321,6 +327,7 @@ class EngineLoop:
                     last_activity = time.monotonic()
                     continue
                 started = self.step_started_at = time.monotonic()
+                started_unix = time.time() if self._step_trace is not None else 0.0
                 if self._collectives is not None:
                     self._collectives.take()  # keepalives and loading are no step's
                 if self._before_step is not None:
@@ -334,6 +341,8 @@ class EngineLoop:
                 if self._metrics is not None:
                     self._observe(outputs, started, self.last_step_end)
                 self._dispatch(outputs)
+                if self._step_trace is not None:
+                    self._trace(outputs, started_unix, self.last_step_end - started)
                 self._after_step()
         except BaseException as exc:  # noqa: BLE001 - any escape leaves the engine in an unknown state
             self.step_started_at = None
@@ -405,6 +414,17 @@ class EngineLoop:
                 self._request_finished(metrics, req, out, now)
         if generated:
             metrics.requests.generation_tokens.inc(generated)
+
+    def _trace(self, outputs: list[StepOutput], started_unix: float, seconds: float) -> None:
+        shape = self.scheduler.last_step
+        if shape is None or self._step_trace is None:
+            return
+        load = self._load  # the queues after the step (_dispatch took them)
+        first = sum(1 for out in outputs if out.new_token_ids and out.completion_tokens == len(out.new_token_ids))
+        self._step_trace.write(StepRecord(
+            step=self.step_count, started_unix=started_unix, seconds=seconds, shape=shape, first_tokens=first,
+            finished=sum(1 for out in outputs if out.finished), running=load.running, waiting=load.waiting,
+        ))
 
     @staticmethod
     def _request_finished(metrics: WorkerMetrics, req: Request, out: StepOutput, now: float) -> None:

@@ -36,6 +36,7 @@ import torch
 
 from worker_svc.config.engine_config import EngineConfig
 from worker_svc.engine.request import FinishReason, Request, RequestError, StepOutput
+from worker_svc.engine.step_trace import StepShape
 from worker_svc.executor.step_runner import StepRunner
 from worker_svc.forward_batch import FatalStepError, ForwardMode, StepInput, TableWrites
 from worker_svc.kvcache import KVCache
@@ -102,6 +103,7 @@ class Scheduler:
         # Prompt tokens at first admission, and how many of them the prefix cache held (hit rate).
         self.prompt_tokens_admitted = 0
         self.prompt_tokens_cached = 0
+        self.last_step: StepShape | None = None  # what the last step() computed (None: no forward ran)
         self._inbox: list[Request] = []
         self._abort_inbox: list[str] = []
         self._flush_inbox: list[Future[tuple[bool, str]]] = []
@@ -196,6 +198,7 @@ class Scheduler:
     # ---- the engine loop -------------------------------------------------------------------------
 
     def step(self) -> list[StepOutput]:
+        self.last_step = None
         self._answer_flushes()
         outputs = self._drain_inbox()
         extend = self._schedule_extend()
@@ -447,6 +450,10 @@ class Scheduler:
         """Run one step; the first ``prefills`` entries of ``batch`` are prefills (or chunks of one),
         the rest one-token decodes."""
         step = self._build_step(mode, batch)
+        if step is not None:
+            self.last_step = StepShape(
+                mode=mode.value, extends=prefills, extend_tokens=sum(n for _, n in batch[:prefills]),
+                prefix_tokens=sum(req.num_cached for req, _ in batch[:prefills]), decodes=len(batch) - prefills)
         if step is None:  # accounting says it fits; if not, requeue rather than fail anyone
             for req, _ in batch:
                 if req not in self.running and req is not self.chunked:

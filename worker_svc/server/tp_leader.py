@@ -43,6 +43,7 @@ from worker_svc.server.launch import SECRET_KEY
 
 if TYPE_CHECKING:
     from llmserve.metrics import WorkerMetrics
+    from worker_svc.engine.step_trace import StepTrace
     from worker_svc.parallel.collective_observer import StepCollectives
 
 log = structlog.get_logger(__name__)
@@ -120,13 +121,13 @@ class TPLeader:
         return leader
 
     def engine_loop(self, before_step: Callable[[], None] | None = None,
-                    metrics: WorkerMetrics | None = None) -> EngineLoop:
-        """The leader's EngineLoop: keepalives while idle; failed when the group breaks. ``before_step``
-        and ``metrics`` are EngineLoop's (used when the loop is first built)."""
+                    metrics: WorkerMetrics | None = None, step_trace: StepTrace | None = None) -> EngineLoop:
+        """The leader's EngineLoop: keepalives while idle; failed when the group breaks. ``before_step``,
+        ``metrics`` and ``step_trace`` are EngineLoop's (used when the loop is first built)."""
         if self.loop is None:
             self.loop = EngineLoop(
                 self.engine, idle_tick=self.runner.keepalive, idle_interval_s=self.timeout_s / 3,
-                before_step=before_step, metrics=metrics, collectives=self.collectives,
+                before_step=before_step, metrics=metrics, collectives=self.collectives, step_trace=step_trace,
             )
             if self.fault is not None:
                 self.loop.fail(TPGroupFailed(self.fault))
