@@ -12,6 +12,7 @@
 # PARTS (default "vllm ours direct") runs only the parts named: vLLM's server, ours behind smg, router vs worker;
 # "vllm_nocache" adds vLLM with its prefix cache off on the shared-prefix workload (its own on / off ratio).
 # OURS_FLAGS: extra worker flags for part 2 (e.g. "--enable-torch-compile"). ROUNDS: rounds of part 3 (default 2).
+# TRACE_STEPS=1: each of our workers in part 2 writes its step trace (--trace-steps) to $OUT/steps_TAG.jsonl.
 # ROUTER_FLAGS: extra router flags for part 3 (e.g. "--detokenize service"). PREFIX_ROUNDS: rounds of the
 # shared-prefix workload with our cache on and off (default 2; ABBA order).
 set -euo pipefail
@@ -71,7 +72,8 @@ ours() {  # ours TAG EXTRA_WORKER_FLAGS...: start worker + smg, run the clients,
     local wport gport
     wport=$(port); gport=$(port)
     "$py" -m llmserve.cli worker --model "$model" --dtype bfloat16 --port "$wport" --served-model-name m \
-        --max-running-requests 64 ${OURS_FLAGS:-} "$@" > "$out/worker_$tag.log" 2>&1 &
+        --max-running-requests 64 ${OURS_FLAGS:-} ${TRACE_STEPS:+--trace-steps "$out/steps_$tag.jsonl"} "$@" \
+        > "$out/worker_$tag.log" 2>&1 &
     local wpid=$!; pids+=("$wpid")
     "$smg" launch --host 127.0.0.1 --port "$gport" --worker-urls "grpc://127.0.0.1:$wport" --policy round_robin \
         --tokenizer-path "$model" --prometheus-host 127.0.0.1 --prometheus-port "$(port)" > "$out/smg_$tag.log" 2>&1 &
