@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -49,8 +52,8 @@ def test_the_trace_has_a_line_per_step_with_its_tokens_and_queues(tiny_model, tm
     # fresh 5-token one.
     _run(tiny_model, StepTraceFile(path), [[("a", prompt, 3)], [("b", prompt, 2), ("c", [9, 8, 7, 6, 5], 2)]])
     lines = [json.loads(line) for line in path.read_text().splitlines()]
-    keys = {"step", "t", "ms", "mode", "extends", "extend_tokens", "prefix_tokens", "decodes", "first_tokens",
-            "finished", "running", "waiting"}
+    keys = {"step", "t", "ms", "mode", "extends", "extend_tokens", "prefix_tokens", "decodes", "queued_ms",
+            "first_tokens", "finished", "running", "waiting"}
     assert all(set(line) == keys for line in lines)
     assert [line["step"] for line in lines] == sorted(line["step"] for line in lines)
     assert all(line["ms"] > 0 for line in lines)
@@ -63,11 +66,21 @@ def test_the_trace_has_a_line_per_step_with_its_tokens_and_queues(tiny_model, tm
     assert sum(e["extend_tokens"] for e in extends[3:]) == 6
     assert sum(e["prefix_tokens"] for e in extends[3:]) == 39
     assert sum(e["first_tokens"] for e in extends) == 3
+    # Each request's wait from arrival, once, in the step that first admitted it: a's first chunk, b and c's step.
+    assert [len(e["queued_ms"]) for e in extends[:3]] == [1, 0, 0] and sum(len(e["queued_ms"]) for e in lines) == 3
+    assert all(0 <= q < 30_000 for e in extends for q in e["queued_ms"])
     # Every token after the first comes from a decode step or a rider of a mixed one: 2 for a, 1 each for b, c.
     assert sum(line["decodes"] for line in lines) == 4
     assert sum(line["finished"] for line in lines) == 3
     assert lines[-1]["running"] == 0 and lines[-1]["waiting"] == 0
     assert all(line["running"] + line["waiting"] <= 2 for line in lines)
+
+    # benchmarks/step_trace_summary.py reads it: b and c were admitted and answered in one step, a in chunks.
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "step_trace_summary.py"
+    printed = subprocess.run([sys.executable, str(script), str(path)], capture_output=True, text=True, check=True,
+                             timeout=60).stdout
+    assert f"extend steps: {len(extends)}," in printed
+    assert "one-step prompts: 2;" in printed and "all admissions: 3," in printed
 
 
 def test_an_unwritable_trace_path_is_refused_naming_the_flag(tmp_path) -> None:

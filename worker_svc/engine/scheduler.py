@@ -104,6 +104,7 @@ class Scheduler:
         self.prompt_tokens_admitted = 0
         self.prompt_tokens_cached = 0
         self.last_step: StepShape | None = None  # what the last step() computed (None: no forward ran)
+        self._first_admitted: list[Request] = []  # this step's requests admitted for the first time
         self._inbox: list[Request] = []
         self._abort_inbox: list[str] = []
         self._flush_inbox: list[Future[tuple[bool, str]]] = []
@@ -199,6 +200,7 @@ class Scheduler:
 
     def step(self) -> list[StepOutput]:
         self.last_step = None
+        self._first_admitted = []
         self._answer_flushes()
         outputs = self._drain_inbox()
         extend = self._schedule_extend()
@@ -297,6 +299,7 @@ class Scheduler:
             req.cache_node = node
             if req.num_retractions == 0:  # first admission: what usage reports as cached
                 req.scheduled_time = time.monotonic()
+                self._first_admitted.append(req)
                 req.cached_prompt_tokens = min(cached, len(req.prompt_ids))
                 self.prompt_tokens_admitted += len(req.prompt_ids)
                 self.prompt_tokens_cached += req.cached_prompt_tokens
@@ -453,7 +456,8 @@ class Scheduler:
         if step is not None:
             self.last_step = StepShape(
                 mode=mode.value, extends=prefills, extend_tokens=sum(n for _, n in batch[:prefills]),
-                prefix_tokens=sum(req.num_cached for req, _ in batch[:prefills]), decodes=len(batch) - prefills)
+                prefix_tokens=sum(req.num_cached for req, _ in batch[:prefills]), decodes=len(batch) - prefills,
+                queued=tuple(cast(float, r.scheduled_time) - r.arrival_time for r in self._first_admitted))
         if step is None:  # accounting says it fits; if not, requeue rather than fail anyone
             for req, _ in batch:
                 if req not in self.running and req is not self.chunked:

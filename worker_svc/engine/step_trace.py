@@ -8,11 +8,14 @@ this trace does, step by step, next to the worker's request log lines.
 A line (times in seconds since the epoch and milliseconds)::
 
     {"step": 812, "t": 1765043520.184113, "ms": 67.41, "mode": "extend", "extends": 3, "extend_tokens": 192,
-     "prefix_tokens": 1536, "decodes": 4, "first_tokens": 3, "finished": 0, "running": 7, "waiting": 1}
+     "prefix_tokens": 1536, "decodes": 4, "queued_ms": [74.1, 52.9, 51.6], "first_tokens": 3, "finished": 0,
+     "running": 7, "waiting": 1}
 
 ``extends`` requests computed ``extend_tokens`` prompt tokens (new prompts, chunks of one, recomputes of
 retracted ones) after ``prefix_tokens`` tokens of theirs already in the KV cache (prefix cache hits and
 earlier chunks); ``decodes`` requests made one token each (riders of a mixed step, or a decode step);
+``queued_ms`` is, for each request admitted here for the first time, how long it waited from its arrival
+(a request's TTFT is that, its first-token step's ``ms`` for a prompt in one piece, and the hand-off);
 ``first_tokens`` requests got their first token; ``running`` and ``waiting`` are the queues after the step.
 Steps that ran no forward (only aborts) are left out.
 
@@ -37,6 +40,7 @@ class StepShape:
     extend_tokens: int
     prefix_tokens: int
     decodes: int
+    queued: tuple[float, ...] = ()  # seconds from arrival to this step, of requests admitted for the first time
 
 
 @dataclass(frozen=True)
@@ -57,8 +61,9 @@ class StepRecord:
         return json.dumps({
             "step": self.step, "t": round(self.started_unix, 6), "ms": round(self.seconds * 1e3, 3),
             "mode": s.mode, "extends": s.extends, "extend_tokens": s.extend_tokens, "prefix_tokens": s.prefix_tokens,
-            "decodes": s.decodes, "first_tokens": self.first_tokens, "finished": self.finished,
-            "running": self.running, "waiting": self.waiting,
+            "decodes": s.decodes, "queued_ms": [round(q * 1e3, 3) for q in s.queued],
+            "first_tokens": self.first_tokens, "finished": self.finished, "running": self.running,
+            "waiting": self.waiting,
         })
 
 
