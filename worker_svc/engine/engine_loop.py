@@ -342,7 +342,7 @@ class EngineLoop:
                     self._observe(outputs, started, self.last_step_end)
                 self._dispatch(outputs)
                 if self._step_trace is not None:
-                    self._trace(outputs, started_unix, self.last_step_end - started)
+                    self._trace(self._step_trace, outputs, started_unix, self.last_step_end - started)
                 self._after_step()
         except BaseException as exc:  # noqa: BLE001 - any escape leaves the engine in an unknown state
             self.step_started_at = None
@@ -405,9 +405,8 @@ class EngineLoop:
             req = observed.get(out.rid)
             if req is None:
                 continue
-            n = len(out.new_token_ids)
-            generated += n
-            if n and out.completion_tokens == n:  # its first token: the prompt is computed
+            generated += len(out.new_token_ids)
+            if out.first_token:  # the prompt is computed
                 metrics.prefill_done(out.prompt_tokens, out.cached_tokens)
             if out.finished:
                 del observed[out.rid]
@@ -415,14 +414,14 @@ class EngineLoop:
         if generated:
             metrics.requests.generation_tokens.inc(generated)
 
-    def _trace(self, outputs: list[StepOutput], started_unix: float, seconds: float) -> None:
+    def _trace(self, trace: StepTrace, outputs: list[StepOutput], started_unix: float, seconds: float) -> None:
         shape = self.scheduler.last_step
-        if shape is None or self._step_trace is None:
+        if shape is None:  # no forward ran
             return
         load = self._load  # the queues after the step (_dispatch took them)
-        first = sum(1 for out in outputs if out.new_token_ids and out.completion_tokens == len(out.new_token_ids))
-        self._step_trace.write(StepRecord(
-            step=self.step_count, started_unix=started_unix, seconds=seconds, shape=shape, first_tokens=first,
+        trace.write(StepRecord(
+            step=self.step_count, started_unix=started_unix, seconds=seconds, shape=shape,
+            first_tokens=sum(1 for out in outputs if out.first_token),
             finished=sum(1 for out in outputs if out.finished), running=load.running, waiting=load.waiting,
         ))
 

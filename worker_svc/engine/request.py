@@ -99,3 +99,8 @@ class StepOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def first_token(self) -> bool:
+        """Whether this output carries the request's first token (its prompt has just been computed)."""
+        return bool(self.new_token_ids) and self.completion_tokens == len(self.new_token_ids)
