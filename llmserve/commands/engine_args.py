@@ -15,6 +15,7 @@ from worker_svc.config.engine_config import (
     DTYPES,
     MLA_DECODE_MODES,
     MOE_EXPERT_KERNELS,
+    PREFILL_BATCHING,
     EngineConfig,
 )
 from worker_svc.executor.native_memory import MAX_MMAP_THRESHOLD, HeapPolicy, apply_heap_policy, parse_heap_policy
@@ -46,6 +47,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-prefill-tokens", type=int, default=512,
                    help="new tokens per extend step across all requests (default 512: a burst of prompts is "
                    "prefilled over several steps, the first ones decoding sooner)")
+    g.add_argument("--prefill-batching", choices=PREFILL_BATCHING, default="cost",
+                   help="how many waiting requests an extend step admits: cost (default: the split of the queue "
+                   "into steps that makes the requests' summed time to first token least, from a model of step "
+                   "time fitted to the steps just run) or budget (all that fits --max-prefill-tokens)")
     g.add_argument("--context-length", type=int, default=None)
     g.add_argument("--json-model-override-args", type=json_object, default={}, metavar="JSON",
                    help='override config.json fields, e.g. \'{"rope_theta": 10000}\'')
@@ -107,6 +112,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_running_requests=args.max_running_requests,
         chunked_prefill_size=args.chunked_prefill_size,
         max_prefill_tokens=args.max_prefill_tokens,
+        prefill_batching=getattr(args, "prefill_batching", "cost"),
         context_length=args.context_length,
         json_model_override_args=args.json_model_override_args,
         random_seed=args.random_seed,

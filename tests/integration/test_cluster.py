@@ -276,7 +276,8 @@ def test_serve_passes_every_engine_flag_to_its_workers() -> None:
     from llmserve.commands.engine_args import engine_argv, engine_config_from_args
 
     flags = ["--dtype", "float32", "--max-total-tokens", "64", "--context-length", "32", "--random-seed", "7",
-             "--json-model-override-args", '{"rope_theta": 10000}', "--max-running-requests", "3"]
+             "--json-model-override-args", '{"rope_theta": 10000}', "--max-running-requests", "3",
+             "--prefill-batching", "budget"]
     serve_args = build_parser().parse_args(["serve", "--model", "/m", "--dp", "2", "--port", "0", *flags])
     argv = engine_argv(serve_args)
     worker_args = build_parser().parse_args(["worker", "--model", "/m", *argv])

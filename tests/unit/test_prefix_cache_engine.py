@@ -55,6 +55,8 @@ class RecordingRunner:
 
 
 def _config(model_dir: Path, **kw: Any) -> EngineConfig:
+    """Tests that expect given requests in given steps pass ``prefill_batching="budget"`` (under "cost" the
+    split of a burst follows the measured step times)."""
     base: dict[str, Any] = dict(model_path=str(model_dir), dtype="float32", max_total_tokens=1024,
                                 max_running_requests=6, chunked_prefill_size=16, max_prefill_tokens=32,
                                 context_length=256)
@@ -157,7 +159,8 @@ def test_a_repeated_200_token_prompt_prefills_one_token_and_reports_199_cached(m
 def test_samples_of_one_prompt_share_its_kv_after_their_prefill(models):
     """n = 3 samples admitted in one step each compute the prompt once; the step after, their rows
     point at one cached copy and the duplicates are free again."""
-    engine = Engine(_config(models["llama"], chunked_prefill_size=64, max_prefill_tokens=128))
+    engine = Engine(_config(models["llama"], chunked_prefill_size=64, max_prefill_tokens=128,
+                            prefill_batching="budget"))
     prompt = _tokens(random.Random(6), 30)
     reqs = [engine.submit(prompt, dataclasses.replace(SAMPLED, seed=i)) for i in range(3)]
     engine.scheduler.step()
@@ -190,7 +193,7 @@ def test_a_burst_on_a_new_shared_prefix_computes_it_once(models, arch):
         # Without mixed steps every token of an extend step is a prompt token.
         runner = RecordingRunner(ModelRunner(_config(models[arch], disable_radix_cache=not radix,
                                                      chunked_prefill_size=64, max_prefill_tokens=128,
-                                                     enable_mixed_chunk=False)))
+                                                     enable_mixed_chunk=False, prefill_batching="budget")))
         engine = Engine(runner.engine_config, runner=runner)
         results[radix] = _run(engine, arrivals)
         computed[radix] = sum(n for mode, n, _ in runner.steps if mode is ForwardMode.EXTEND)

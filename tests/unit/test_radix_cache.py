@@ -72,6 +72,22 @@ def test_match_and_insert_return_the_cached_slots_and_split_edges():
         cache.insert([1, 2, 3], torch.tensor([5, 6]))
 
 
+def test_cached_length_is_the_match_length_and_leaves_the_tree_alone():
+    """What the admission planner asks: how much of a key is cached, mid-edge included, without splitting
+    an edge or touching the LRU clock (match_prefix does both)."""
+    cache, alloc = _cache()
+    _put(cache, alloc, [1, 2, 3, 4, 5, 6])
+    _put(cache, alloc, [1, 2, 3, 9])
+    before = [(n.key, n.last_access) for n in cache.nodes()]
+    assert cache.cached_length([1, 2, 3, 4, 5, 6, 7]) == 6
+    assert cache.cached_length([1, 2, 3, 4, 8]) == 4  # mid-edge: [4, 5, 6]
+    assert cache.cached_length([1, 2, 3, 9]) == 4
+    assert cache.cached_length([7, 1]) == 0 and cache.cached_length([]) == 0
+    assert [(n.key, n.last_access) for n in cache.nodes()] == before
+    for key in ([1, 2, 3, 4, 8], [1, 2, 3, 4, 5, 6, 7], [1, 2, 9]):
+        assert cache.cached_length(key) == cache.match_prefix(key)[0].numel()
+
+
 def test_eviction_is_lru_over_leaves_and_climbs_to_parents():
     cache, alloc = _cache()
     _put(cache, alloc, [1, 2, 3, 4])

@@ -33,6 +33,8 @@ HOT = dataclasses.replace(SAMPLED, temperature=5.0)
 
 
 def _config(model_dir, **kw) -> EngineConfig:
+    """Tests that step the scheduler by hand and expect given requests in given steps pass
+    ``prefill_batching="budget"``: under "cost" the split of a burst follows the measured step times."""
     base = dict(
         model_path=str(model_dir),
         dtype="float32",
@@ -95,7 +97,7 @@ def test_kv_accounting_through_finish_abort_and_retraction(tiny_model):
     """Abort while waiting, while decoding and mid chunked prefill, with retraction forced by a small
     pool and no decode reserve: the pool and request table are whole again at the end, no slot is
     ever owned twice, and the survivors produce the tokens they produce alone."""
-    engine = _engine(tiny_model, max_total_tokens=96, new_token_reserve_ratio=0.0)
+    engine = _engine(tiny_model, max_total_tokens=96, new_token_reserve_ratio=0.0, prefill_batching="budget")
     sched = engine.scheduler
     prompts = _prompts((10, 40, 14, 36, 8, 12, 9, 45))
     # Greedy and seeded sampled requests: a recomputed request must continue its own random stream.
@@ -217,7 +219,7 @@ def test_retracting_a_chunked_prefill(tiny_model, radix):
 
 
 def test_failed_forward_fails_only_its_batch(tiny_model):
-    engine = _engine(tiny_model, max_running_requests=2)
+    engine = _engine(tiny_model, max_running_requests=2, prefill_batching="budget")
     sched = engine.scheduler
     prompts = _prompts((5, 9, 7), seed=11)
     expected = _alone(engine, prompts[2], GREEDY)
@@ -318,7 +320,7 @@ def test_rejected_requests_do_not_disturb_others(tiny_model):
 
 
 def test_abort_waiting_and_running(tiny_model):
-    engine = _engine(tiny_model, max_running_requests=2)
+    engine = _engine(tiny_model, max_running_requests=2, prefill_batching="budget")
     sched = engine.scheduler
     prompts = _prompts((6, 9, 12, 5), seed=1)
     expected = [_alone(engine, p, GREEDY) for p in prompts]

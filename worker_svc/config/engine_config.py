@@ -12,6 +12,7 @@ CPU_BF16_LINEAR_KERNELS = (
 )
 CPU_QUANT_KERNELS = ("auto", "avx512", "avx2", "aten")
 MOE_EXPERT_KERNELS = ("auto", "loop", "grouped")
+PREFILL_BATCHING = ("cost", "budget")
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,11 @@ class EngineConfig:
     # (and the running requests keep decoding, riding along) instead of all waiting for one long step
     # (docs/benchmarks.md, "Serving against vLLM-CPU": c16 TTFT p50 987 -> 399 ms, throughput +13%).
     max_prefill_tokens: int = 512
+    # How many waiting requests an extend step admits (engine/admission.py): "cost" splits the waiting queue
+    # into steps so that the requests' summed time to first token is least, from a step-time model fitted to
+    # the steps just run (small bursts of short or cached prompts go over a few steps, large bursts in
+    # budget-sized steps); "budget" admits all that fits max_prefill_tokens.
+    prefill_batching: str = "cost"
     context_length: int | None = None
     json_model_override_args: dict[str, Any] = field(default_factory=dict, hash=False)
     random_seed: int = 0
@@ -111,6 +117,8 @@ class EngineConfig:
             raise ValueError(f"--cpu-quant-kernel must be one of {', '.join(CPU_QUANT_KERNELS)}")
         if self.mla_decode not in MLA_DECODE_MODES:
             raise ValueError(f"--mla-decode must be one of {', '.join(MLA_DECODE_MODES)}")
+        if self.prefill_batching not in PREFILL_BATCHING:
+            raise ValueError(f"--prefill-batching must be one of {', '.join(PREFILL_BATCHING)}")
         if self.moe_experts not in MOE_EXPERT_KERNELS:
             raise ValueError(f"--moe-experts must be one of {', '.join(MOE_EXPERT_KERNELS)}")
         if self.deterministic_inference and self.moe_experts == "grouped":

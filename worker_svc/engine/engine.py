@@ -8,6 +8,7 @@ import itertools
 from dataclasses import dataclass
 
 from worker_svc.config.engine_config import EngineConfig
+from worker_svc.engine.admission import StepCostEstimator
 from worker_svc.engine.request import FinishReason, Request
 from worker_svc.engine.scheduler import Scheduler
 from worker_svc.executor.model_runner import ModelRunner
@@ -33,11 +34,17 @@ class Engine:
     """``runner`` injects a prebuilt runner (a tensor-parallel leader passes a ``LeaderRunner``, which
     broadcasts every step to the followers); by default the engine builds a ``ModelRunner``."""
 
-    def __init__(self, config: EngineConfig, tp: TPContext | None = None, runner: StepRunner | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        tp: TPContext | None = None,
+        runner: StepRunner | None = None,
+        step_costs: StepCostEstimator | None = None,
+    ) -> None:
         self.config = config
         self.runner: StepRunner = runner if runner is not None else ModelRunner(config, tp)
         # The config the runner was built with (a TP leader's names its rank's device).
-        self.scheduler = Scheduler(self.runner, self.runner.kv, self.runner.engine_config)
+        self.scheduler = Scheduler(self.runner, self.runner.kv, self.runner.engine_config, step_costs=step_costs)
         self._ids = itertools.count()
 
     def new_request(self, prompt_ids: list[int], params: SamplingParams, rid: str | None = None) -> Request:

@@ -22,7 +22,9 @@ on the single engine thread.
 
 from __future__ import annotations
 
+import itertools
 import math
+import statistics
 import threading
 import time
 from collections import deque
@@ -35,6 +37,7 @@ import structlog
 import torch
 
 from worker_svc.config.engine_config import EngineConfig
+from worker_svc.engine.admission import StepCostEstimator, StepTimeModel, StepWork, first_batch_size
 from worker_svc.engine.request import FinishReason, Request, RequestError, StepOutput
 from worker_svc.engine.step_trace import StepShape
 from worker_svc.executor.step_runner import StepRunner
@@ -55,6 +58,9 @@ log = structlog.get_logger(__name__)
 # A waiting request whose next this many uncached tokens another request computes in the same step waits a
 # step for them (Scheduler._computed_alongside; sglang's in-batch prefix caching threshold is also 32).
 IN_STEP_SHARED_TOKENS = 32
+# --prefill-batching cost: the waiting requests whose cached prefix is looked up to plan the next extend step;
+# those behind them count at these ones' mean cost.
+ADMISSION_HORIZON = 16
 
 
 @dataclass(frozen=True)
@@ -82,7 +88,10 @@ class Scheduler:
         kv: KVCache,
         engine_config: EngineConfig,
         eos_token_ids: frozenset[int] | None = None,
+        step_costs: StepCostEstimator | None = None,
     ) -> None:
+        """``step_costs`` plans extend steps under ``--prefill-batching cost`` (default: a ``StepTimeModel``
+        fitted to this scheduler's steps)."""
         self.runner = runner
         self.engine_config = engine_config
         self.allocator = kv.allocator
@@ -103,6 +112,8 @@ class Scheduler:
         # Prompt tokens at first admission, and how many of them the prefix cache held (hit rate).
         self.prompt_tokens_admitted = 0
         self.prompt_tokens_cached = 0
+        self.step_costs = step_costs if step_costs is not None else (
+            StepTimeModel() if engine_config.prefill_batching == "cost" else None)
         self.last_step: StepShape | None = None  # what the last step() computed (None: no forward ran)
         self._first_admitted: list[Request] = []  # this step's requests admitted for the first time
         self._inbox: list[Request] = []
@@ -205,11 +216,26 @@ class Scheduler:
         outputs = self._drain_inbox()
         extend = self._schedule_extend()
         if extend:
-            outputs += self._run(ForwardMode.EXTEND, extend + self._mixed_decode(extend), prefills=len(extend))
+            outputs += self._timed_run(ForwardMode.EXTEND, extend + self._mixed_decode(extend), prefills=len(extend))
         elif self.running:
             decode = self._schedule_decode()
             if decode:
-                outputs += self._run(ForwardMode.DECODE, [(req, 1) for req in decode])
+                outputs += self._timed_run(ForwardMode.DECODE, [(req, 1) for req in decode])
+        return outputs
+
+    def _timed_run(self, mode: ForwardMode, batch: list[tuple[Request, int]], prefills: int = 0) -> list[StepOutput]:
+        """``_run``, telling ``step_costs`` what the step computed and how long it took (forward, sampling
+        and bookkeeping: what a request admitted to it waits for)."""
+        if self.step_costs is None:
+            return self._run(mode, batch, prefills)
+        prompts, rows = batch[:prefills], batch[prefills:]
+        work = StepWork(prompt_tokens=sum(n for _, n in prompts),
+                        prompt_pairs=sum(StepWork.pairs(n, req.num_cached) for req, n in prompts),
+                        rows=len(rows), row_pairs=sum(StepWork.pairs(1, req.num_cached) for req, _ in rows))
+        started = time.perf_counter()
+        outputs = self._run(mode, batch, prefills)
+        if self.last_step is not None:  # the forward ran
+            self.step_costs.observe(work, (time.perf_counter() - started) * 1000)
         return outputs
 
     def _answer_flushes(self) -> None:
@@ -270,7 +296,8 @@ class Scheduler:
                 return batch  # one chunked request at a time
         admitted: list[Request] = []
         deferred: list[Request] = []  # wait a step: a request computing now computes their beginning too
-        while self.waiting and budget > 0:
+        limit = self._admission_limit(budget)
+        while self.waiting and budget > 0 and len(admitted) < limit:
             full = len(self.running) + len(batch) >= self.engine_config.max_running_requests
             if full or not self.req_table.available():
                 break
@@ -313,6 +340,37 @@ class Scheduler:
                 break
         self.waiting.extendleft(reversed(deferred))  # back at the head, in their order
         return batch
+
+    def _admission_limit(self, budget: int) -> int:
+        """How many waiting requests this extend step admits at most: under ``--prefill-batching cost`` the
+        first share of the queue's split into steps that makes the waiting requests' summed time to first
+        token least (engine/admission.py), each request's cost from its uncached tokens, the fixed cost from
+        the model and the running requests that ride along; otherwise (or before the model has a fit) all
+        that the budgets allow."""
+        unlimited = len(self.waiting)
+        costs = self.step_costs.coefficients() if self.step_costs is not None and unlimited > 1 else None
+        if costs is None or self.engine_config.prefill_batching != "cost":
+            return unlimited
+        riders = self.running if self.engine_config.enable_mixed_chunk else []
+        fixed_ms = costs.fixed_ms(len(riders), sum(StepWork.pairs(1, r.num_cached) for r in riders))
+        own_ms: list[float] = []
+        tokens: list[int] = []
+        chunk_size = self.engine_config.chunked_prefill_size
+        for req in itertools.islice(self.waiting, ADMISSION_HORIZON):
+            cached = self._cached_estimate(req)
+            n = min(req.seq_len - cached, chunk_size)  # a long prompt's first chunk: what this step would take
+            own_ms.append(costs.prompt_ms(n, StepWork.pairs(n, cached)))
+            tokens.append(n)
+        behind = unlimited - len(own_ms)
+        own_ms += [statistics.fmean(own_ms)] * behind
+        tokens += [round(statistics.fmean(tokens))] * behind
+        return first_batch_size(own_ms, tokens, fixed_ms, budget)
+
+    def _cached_estimate(self, req: Request) -> int:
+        """Tokens of ``req`` the prefix cache holds now (what admission would match), without touching it."""
+        if self.cache is None:
+            return 0
+        return self.cache.cached_length(req.tokens(0, req.seq_len - 1))
 
     def _computed_alongside(self, req: Request, cached: int, batch: list[tuple[Request, int]]) -> bool:
         """Whether a request in this step's batch (the chunked one continuing, if any, is its first entry)
@@ -470,6 +528,7 @@ class Scheduler:
             if isinstance(exc, FatalStepError):  # ...unless the engine itself is broken
                 raise
             log.exception("forward step failed", mode=mode.value, batch=len(batch))
+            self.last_step = None  # nothing computed: no trace line, no step time
             self.allocator.free(step.out_slots)
             return [self._finish(req, FinishReason.ABORT, error=f"internal error: {exc}") for req, _ in batch]
         for req, n in batch:

@@ -96,6 +96,21 @@ class RadixCache:
         value = torch.cat(values) if values else self._empty
         return value, node
 
+    def cached_length(self, key: list[int]) -> int:
+        """How many leading tokens of ``key`` are cached, without touching the tree (no split, no LRU
+        update): an estimate for planning, ``match_prefix`` is what admission uses."""
+        node, length = self.root, 0
+        while key:
+            child = node.children.get(key[0])
+            if child is None:
+                break
+            common = _common_len(child.key, key)
+            length += common
+            if common < len(child.key):
+                break
+            node, key = child, key[common:]
+        return length
+
     def insert(self, key: list[int], value: torch.Tensor) -> int:
         """Cache ``value`` (one slot per token of ``key``); returns the length of the prefix that was
         already cached. The tree takes ownership of ``value[returned:]`` only."""
