@@ -239,6 +239,7 @@ def test_failed_forward_fails_only_its_batch(tiny_model):
     assert calls == [ForwardMode.EXTEND, ForwardMode.DECODE]
     assert {o.rid for o in outs} == {reqs[0].rid, reqs[1].rid}
     assert all(o.finish_reason is FinishReason.ABORT and "boom" in o.error for o in outs)
+    assert sched.last_step is None  # nothing computed: no step-trace line, no step time for the cost model
     while sched.has_work():
         _step_checked(engine)
     assert reqs[2].output_ids == expected and reqs[2].error is None
