@@ -150,14 +150,15 @@ class StepTimeModel:
         self._stale = True
 
     def observe(self, work: StepWork, ms: float) -> None:
+        fixed_features = [1.0, float(work.rows), work.row_pairs / 1000]
         if work.prompt_tokens == 0:
-            self._decode.add([1.0, float(work.rows), work.row_pairs / 1000], ms)
+            self._decode.add(fixed_features, ms)
             self._fixed = None
         else:
             fixed = self._decode_fit()
             if fixed is None:
                 return  # its fixed part is not known yet: nothing to learn about prompts from it
-            beyond = ms - (fixed[0] + fixed[1] * work.rows + fixed[2] * work.row_pairs / 1000)
+            beyond = ms - sum(c * x for c, x in zip(fixed, fixed_features, strict=True))
             self._extend.add([float(work.prompt_tokens), work.prompt_pairs / 1000], beyond)
         self._stale = True
 

@@ -91,7 +91,7 @@ class Scheduler:
         step_costs: StepCostEstimator | None = None,
     ) -> None:
         """``step_costs`` plans extend steps under ``--prefill-batching cost`` (default: a ``StepTimeModel``
-        fitted to this scheduler's steps)."""
+        fitted to this scheduler's steps); under ``budget`` it is not used."""
         self.runner = runner
         self.engine_config = engine_config
         self.allocator = kv.allocator
@@ -112,8 +112,9 @@ class Scheduler:
         # Prompt tokens at first admission, and how many of them the prefix cache held (hit rate).
         self.prompt_tokens_admitted = 0
         self.prompt_tokens_cached = 0
-        self.step_costs = step_costs if step_costs is not None else (
-            StepTimeModel() if engine_config.prefill_batching == "cost" else None)
+        self.step_costs: StepCostEstimator | None = None  # None: admission by the budgets alone
+        if engine_config.prefill_batching == "cost":
+            self.step_costs = step_costs if step_costs is not None else StepTimeModel()
         self.last_step: StepShape | None = None  # what the last step() computed (None: no forward ran)
         self._first_admitted: list[Request] = []  # this step's requests admitted for the first time
         self._inbox: list[Request] = []
@@ -349,7 +350,7 @@ class Scheduler:
         that the budgets allow."""
         unlimited = len(self.waiting)
         costs = self.step_costs.coefficients() if self.step_costs is not None and unlimited > 1 else None
-        if costs is None or self.engine_config.prefill_batching != "cost":
+        if costs is None:
             return unlimited
         riders = self.running if self.engine_config.enable_mixed_chunk else []
         fixed_ms = costs.fixed_ms(len(riders), sum(StepWork.pairs(1, r.num_cached) for r in riders))
